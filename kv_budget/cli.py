@@ -1,0 +1,190 @@
+"""The ``kv-budget`` command.
+
+``kv-budget plan`` sizes a deployment before it starts; ``kv-budget audit``
+holds a warmed-up model's declarations to the caches it really holds;
+``kv-budget make-demo-model`` writes the demo checkpoint offline.
+
+Exit codes (documented in the README, stable for scripts):
+
+* 0: the plan is ok, capped or warned; the audit found nothing dangerous.
+* 2: bad input (a one-line message names the problem; never a traceback).
+* 3: under ``--policy cap`` not even one sequence fits.
+* 4: the audit found an under-declared or undeclared cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from .planner import (
+    Decision,
+    Policy,
+    budget_worker,
+    headroom_outside_requested,
+    headroom_override,
+    make_plan,
+)
+from .presets import PRESETS, preset_collection
+from .report import infeasible_message, render_plan_table
+from .specfile import SpecFileError, load_spec_file
+from .units import parse_byte_size
+
+__all__ = ["main", "EXIT_OK", "EXIT_BAD_INPUT", "EXIT_INFEASIBLE", "EXIT_AUDIT_FAILED"]
+
+EXIT_OK = 0
+EXIT_BAD_INPUT = 2
+"""Same code argparse uses for a usage error, so every bad input is 2."""
+EXIT_INFEASIBLE = 3
+EXIT_AUDIT_FAILED = 4
+
+
+class _BadInput(Exception):
+    """A problem with what the user typed; becomes one line and exit 2."""
+
+
+def _byte_size(text: str) -> int:
+    try:
+        return parse_byte_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def _utilization(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{value} is not in (0, 1]")
+    return value
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kv-budget",
+        description="Admission control for model-local KV caches kept outside vLLM's paged KV pool.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,audit,make-demo-model}")
+
+    plan = sub.add_parser(
+        "plan",
+        help="size max_num_seqs for a deployment before starting it",
+        description="Plan max_num_seqs from declarations and a headroom. Exit 0 ok/capped/warned, "
+        "2 bad input, 3 infeasible under --policy cap.",
+    )
+    source = plan.add_mutually_exclusive_group()
+    source.add_argument("--spec-file", help="JSON list of declarations (protocol field names)")
+    source.add_argument("--preset", choices=sorted(PRESETS), help="published declarations of a model")
+    source.add_argument("--list-presets", action="store_true", help="list presets and exit")
+    room = plan.add_mutually_exclusive_group()
+    room.add_argument(
+        "--headroom-bytes", type=_byte_size,
+        help="explicit headroom (14GiB, 512MiB or bytes), used as given: no margin is taken off",
+    )
+    room.add_argument(
+        "--device-memory", type=_byte_size,
+        help="device size; headroom = what vLLM leaves outside its requested budget, minus the margin",
+    )
+    plan.add_argument(
+        "--gpu-memory-utilization", type=_utilization, default=0.9,
+        help="vLLM's gpu_memory_utilization, with --device-memory (default 0.9)",
+    )
+    plan.add_argument(
+        "--margin-bytes", type=_byte_size,
+        help="safety margin, with --device-memory (default 5%% of the device, at least 1GiB)",
+    )
+    plan.add_argument("--max-num-seqs", type=_positive_int, default=256, help="configured max_num_seqs (default 256)")
+    plan.add_argument("--policy", choices=[p.value for p in Policy], default=Policy.CAP.value,
+                      help="cap (default), warn, or off (reports like warn)")
+    plan.add_argument("--json", action="store_true", help="print only the plan as JSON")
+
+    audit = sub.add_parser(
+        "audit",
+        help="compare a warmed-up model's declarations with the caches it holds",
+        description="Import MODULE:FACTORY, call it to get a module that has run, and audit it. "
+        "Exit 4 on under-declared or undeclared caches.",
+    )
+    audit.add_argument("target", metavar="MODULE:FACTORY")
+    audit.add_argument("--json", action="store_true", help="print only the report as JSON")
+
+    demo = sub.add_parser("make-demo-model", help="write the demo checkpoint (config, random weights, tokenizer)")
+    demo.add_argument("directory")
+    return parser
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    if args.list_presets:
+        for name, (summary, _) in PRESETS.items():
+            print(f"{name}: {summary}")
+        return EXIT_OK
+    if args.spec_file is None and args.preset is None:
+        raise _BadInput("give --spec-file FILE or --preset NAME (see --list-presets)")
+    if args.headroom_bytes is None and args.device_memory is None:
+        raise _BadInput("give --headroom-bytes SIZE or --device-memory SIZE")
+    if args.headroom_bytes is not None and args.margin_bytes is not None:
+        raise _BadInput("--margin-bytes applies to --device-memory; an explicit --headroom-bytes is used as given")
+    try:
+        collection = load_spec_file(args.spec_file) if args.spec_file else preset_collection(args.preset)
+    except SpecFileError as exc:
+        raise _BadInput(str(exc)) from None
+    if args.headroom_bytes is not None:
+        headroom = headroom_override(args.headroom_bytes, "--headroom-bytes (operator override)")
+    else:
+        headroom = headroom_outside_requested(args.device_memory, args.gpu_memory_utilization, args.margin_bytes)
+    worker = budget_worker(collection, headroom, rank=0, max_num_seqs=args.max_num_seqs)
+    plan = make_plan([worker], args.max_num_seqs, args.policy)
+    if args.json:
+        print(plan.model_dump_json(indent=2))
+    else:
+        print(render_plan_table(plan))
+    if plan.decision is Decision.INFEASIBLE:
+        print(f"kv-budget: {infeasible_message(plan)}", file=sys.stderr)
+        return EXIT_INFEASIBLE
+    return EXIT_OK
+
+
+def _run_audit(args: argparse.Namespace) -> int:
+    from .audit import audit_module, load_factory
+
+    try:
+        module = load_factory(args.target)
+    except ValueError as exc:
+        raise _BadInput(str(exc)) from None
+    report = audit_module(module)
+    print(report.model_dump_json(indent=2) if args.json else report.render_table())
+    return EXIT_AUDIT_FAILED if report.failed else EXIT_OK
+
+
+def _run_make_demo_model(args: argparse.Namespace) -> int:
+    from .demo_checkpoint import write_demo_checkpoint
+
+    path = write_demo_checkpoint(args.directory)
+    print(f"demo checkpoint written to {path}")
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    runners = {"plan": _run_plan, "audit": _run_audit, "make-demo-model": _run_make_demo_model}
+    try:
+        return runners[args.command](args)
+    except _BadInput as exc:
+        print(f"kv-budget {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,460 @@
+"""How a model declares the attention KV it keeps outside vLLM's paged KV pool.
+
+vLLM sizes its paged KV pool from a profiling run at startup. A model that
+keeps ``transformers`` cache objects of its own (a codec decoder's sliding
+window, a local transformer, a streaming encoder, a talker's static cache)
+allocates that memory per request, after profiling, where no startup figure
+sees it. Only the model knows how big those caches are and what multiplies
+them: each one is bounded by something different (a sliding window, a decode
+loop's trip count, an encoder's frame limit, a hard-coded constant) and none
+by ``max_model_len``. So the model declares; kv-budget plans.
+
+A declaration describes one allocation *lifetime*. It never allocates. The
+field names are a compatibility contract with vLLM-Omni, whose declarers use
+the same attribute names: :func:`normalize_spec` accepts any object that has
+them, not only :class:`ModelLocalKVSpec`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "Scope",
+    "RowDriver",
+    "ModelLocalKVSpec",
+    "InvalidDeclarationError",
+    "SPEC_FIELDS",
+    "OPTIONAL_SPEC_FIELDS",
+    "HasModelLocalKV",
+    "OwnedSpec",
+    "DeclarerFailure",
+    "Collection",
+    "normalize_spec",
+    "spec_from_hf_config",
+    "collect_model_local_kv_specs",
+]
+
+
+class Scope(str, Enum):
+    """How long one allocation lives.
+
+    The planner only needs to know one thing from it: was the memory already
+    resident when the device was sampled? ``model`` caches were (they were
+    made during load or CUDA-graph capture, before the sample), so they are
+    reported but never subtracted again. Every other scope appears after
+    startup and is what the headroom must absorb.
+    """
+
+    INVOCATION = "invocation"
+    """Dies when the call returns, e.g. a per-step working copy of a cache."""
+
+    REQUEST = "request"
+    """Retained across the steps of one request, freed when it finishes."""
+
+    SESSION = "session"
+    """Retained across requests of one streaming session."""
+
+    MODEL = "model"
+    """Lives as long as the model, e.g. captured into a CUDA-graph pool."""
+
+
+class RowDriver(str, Enum):
+    """What multiplies one row of a declaration at peak.
+
+    Kept separate from :class:`Scope`: a short-lived working copy still
+    exists once per running sequence, and a long-lived graph pool has a fixed
+    number of rows set by the captured shapes.
+    """
+
+    FIXED = "fixed"
+    """A count the model knows (``rows_fixed``), e.g. captured graph buckets."""
+
+    MAX_NUM_SEQS = "max_num_seqs"
+    """One row per sequence the scheduler may run at once."""
+
+
+class InvalidDeclarationError(ValueError):
+    """A declaration that cannot be believed.
+
+    The message always names the declaration, the field and the value, so
+    the model author can find the line without a debugger.
+    """
+
+
+def _dtype_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _enum_value(enum_cls: type[Enum], value: Any) -> Enum | None:
+    """Accept our enum, another library's enum with the same values, or the
+    lowercase string value; anything else is ``None`` (invalid)."""
+    if isinstance(value, enum_cls):
+        return value
+    raw = value.value if isinstance(value, Enum) else value
+    if isinstance(raw, str):
+        try:
+            return enum_cls(raw)
+        except ValueError:
+            return None
+    return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelLocalKVSpec:
+    """One allocation of model-local attention KV, described, not allocated.
+
+    Keyword-only: eight integer-ish fields in a row are too easy to pass in
+    the wrong order, and a swapped ``kv_heads``/``head_dim`` gives the same
+    product while lying about the geometry.
+    """
+
+    name: str
+    """Short id of the allocation, unique within its owner."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    """Geometry of one row. ``dtype`` is a real ``torch.dtype``: a string such
+    as ``"half"`` is ambiguous across libraries, so only the file loader,
+    which documents its spelling, converts strings."""
+
+    physical_capacity_positions: int
+    """Positions the tensor can physically hold, not the logical position a
+    sequence reaches. A sliding window of W keeps W - 1 past positions; a
+    StaticCache holds its whole preallocation whatever was used."""
+
+    capacity_source: str
+    """Where the bound comes from, for humans ("sliding_window - 1"). Never
+    branched on: it exists so a reviewer can check the number."""
+
+    scope: Scope
+    rows: RowDriver
+    rows_fixed: int | None = None
+    """The row count when ``rows`` is fixed. A fixed count with no reason was
+    the commonest way a declaration went stale, so both are required."""
+
+    rows_reason: str | None = None
+    allocation_note: str | None = None
+    """Optional free text on layout (e.g. "one cache per captured bucket")."""
+
+    def __post_init__(self) -> None:
+        fail = self._fail
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise InvalidDeclarationError(
+                f"declaration {self.name!r}: field 'name' = {self.name!r} is invalid: "
+                "expected a non-empty string"
+            )
+        for field in ("layers", "kv_heads", "head_dim", "physical_capacity_positions"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                fail(field, value, "expected an int >= 1")
+        if not isinstance(self.dtype, torch.dtype):
+            fail("dtype", self.dtype, "expected a torch.dtype such as torch.bfloat16")
+        if not isinstance(self.capacity_source, str) or not self.capacity_source.strip():
+            fail(
+                "capacity_source",
+                self.capacity_source,
+                "expected a non-empty string saying where the bound comes from",
+            )
+        scope = _enum_value(Scope, self.scope)
+        if scope is None:
+            fail("scope", self.scope, f"expected one of {[s.value for s in Scope]}")
+        object.__setattr__(self, "scope", scope)
+        rows = _enum_value(RowDriver, self.rows)
+        if rows is None:
+            fail("rows", self.rows, f"expected one of {[r.value for r in RowDriver]}")
+        object.__setattr__(self, "rows", rows)
+        if rows is RowDriver.FIXED:
+            count = self.rows_fixed
+            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+                fail("rows_fixed", count, "rows='fixed' needs an int count >= 1")
+            if not isinstance(self.rows_reason, str) or not self.rows_reason.strip():
+                fail("rows_reason", self.rows_reason, "rows='fixed' needs a reason for the count")
+        elif self.rows_fixed is not None:
+            fail(
+                "rows_fixed",
+                self.rows_fixed,
+                "rows='max_num_seqs' takes its count from the engine; a fixed count "
+                "beside it contradicts it",
+            )
+        if self.allocation_note is not None and not isinstance(self.allocation_note, str):
+            fail("allocation_note", self.allocation_note, "expected a string or None")
+
+    def _fail(self, field: str, value: Any, why: str) -> None:
+        raise InvalidDeclarationError(
+            f"declaration {self.name!r}: field {field!r} = {value!r} is invalid: {why}"
+        )
+
+    @property
+    def dtype_bytes(self) -> int:
+        return _dtype_size(self.dtype)
+
+    @property
+    def bytes_per_row(self) -> int:
+        """2 (K and V) x layers x kv_heads x head_dim x positions x dtype size."""
+        return (
+            2
+            * self.layers
+            * self.kv_heads
+            * self.head_dim
+            * self.physical_capacity_positions
+            * self.dtype_bytes
+        )
+
+    def rows_at_peak(self, max_num_seqs: int) -> int:
+        """Rows alive at peak: the fixed count, or the engine's ``max_num_seqs``."""
+        if self.rows is RowDriver.FIXED:
+            assert self.rows_fixed is not None
+            return self.rows_fixed
+        return max_num_seqs
+
+    def peak_bytes(self, max_num_seqs: int) -> int:
+        return self.bytes_per_row * self.rows_at_peak(max_num_seqs)
+
+
+SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(ModelLocalKVSpec))
+"""The contract's attribute names, in declaration order."""
+
+OPTIONAL_SPEC_FIELDS = frozenset({"rows_fixed", "rows_reason", "allocation_note"})
+"""Fields a declaration may leave out; every other one is required."""
+
+
+def normalize_spec(obj: Any) -> ModelLocalKVSpec:
+    """Turn a declaration of any class with the contract's attribute names
+    into a validated :class:`ModelLocalKVSpec`.
+
+    vLLM-Omni ships declarers whose objects are not ours; they must be taken
+    as they are. A missing required attribute is an error, not a default.
+    """
+    if isinstance(obj, ModelLocalKVSpec):
+        return obj
+    label = getattr(obj, "name", None)
+    values: dict[str, Any] = {}
+    for field in SPEC_FIELDS:
+        if hasattr(obj, field):
+            values[field] = getattr(obj, field)
+        elif field not in OPTIONAL_SPEC_FIELDS:
+            raise InvalidDeclarationError(
+                f"declaration {label!r} ({type(obj).__name__}): required field "
+                f"{field!r} is missing"
+            )
+    return ModelLocalKVSpec(**values)
+
+
+@runtime_checkable
+class HasModelLocalKV(Protocol):
+    """Implemented by whichever object owns a cache, usually a module several
+    levels below the model vLLM loaded. Returning an empty sequence is valid
+    and is what a code path that allocates nothing must return."""
+
+    def model_local_kv_specs(self) -> Sequence[Any]: ...
+
+
+_LOOKUP_NAMES = {
+    "decoder": {
+        "layers": ("decoder_layers", "num_decoder_layers", "num_hidden_layers", "n_layer", "num_layers", "n_layers"),
+        "heads": ("decoder_attention_heads", "num_attention_heads", "n_head", "num_heads"),
+        "kv_heads": ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num"),
+        "hidden": ("hidden_size", "n_embd", "d_model"),
+    },
+    "encoder": {
+        "layers": ("encoder_layers", "num_encoder_layers", "encoder_num_hidden_layers"),
+        "heads": ("encoder_attention_heads", "encoder_num_attention_heads"),
+        "kv_heads": ("encoder_num_key_value_heads",),
+        "hidden": ("d_model", "encoder_hidden_size", "hidden_size"),
+    },
+}
+"""Attribute names tried, in order, per stack. Decoder and encoder are asked
+for explicitly: a Whisper config has both ``decoder_layers`` and
+``encoder_layers``, and picking whichever is found first is a guess. The
+stack-specific names come first, and generic names that the config's
+``attribute_map`` aliases to the other stack are skipped: ``WhisperConfig``
+maps ``num_hidden_layers`` and ``num_key_value_heads`` to the *encoder*, and
+reading them declared the decoder with the encoder's geometry."""
+
+
+def _lookup(config: Any, names: Iterable[str], stack: str) -> tuple[str, int] | None:
+    """First integer attribute among ``names``, skipping generic names that
+    the config's ``attribute_map`` aliases to the *other* stack (Whisper maps
+    ``num_key_value_heads`` to ``encoder_attention_heads``)."""
+    other = "decoder" if stack == "encoder" else "encoder"
+    aliases = getattr(config, "attribute_map", None) or {}
+    for attr in names:
+        if str(aliases.get(attr, attr)).startswith(other):
+            continue
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return attr, value
+    return None
+
+
+def spec_from_hf_config(
+    config: Any,
+    *,
+    name: str,
+    dtype: torch.dtype,
+    physical_capacity_positions: int,
+    capacity_source: str,
+    scope: Scope | str,
+    rows: RowDriver | str,
+    rows_fixed: int | None = None,
+    rows_reason: str | None = None,
+    allocation_note: str | None = None,
+    stack: str = "decoder",
+) -> ModelLocalKVSpec:
+    """Build a declaration from the same Hugging Face config the cache is
+    built from, so the two cannot drift apart.
+
+    ``rows`` is keyword-required: the multiplicity is the part most often
+    wrong, and a default would hide that nobody thought about it. Geometry is
+    looked up under the usual attribute names of the ``stack`` ("decoder" or
+    "encoder"). ``head_dim`` is the config's own when it has one, else
+    hidden / heads, which must divide exactly. With no key/value head count
+    in the config, attention is multi-head (kv heads == heads), except that
+    ``multi_query=True`` means one. Anything not found raises, naming every
+    attribute tried.
+    """
+    if stack not in _LOOKUP_NAMES:
+        raise ValueError(f"stack {stack!r} is not one of {sorted(_LOOKUP_NAMES)}")
+    names = _LOOKUP_NAMES[stack]
+    kind = type(config).__name__
+
+    def need(what: str) -> tuple[str, int]:
+        found = _lookup(config, names[what], stack)
+        if found is None:
+            raise ValueError(
+                f"spec_from_hf_config({name!r}): {kind} has no {stack} {what} count; "
+                f"tried attributes {list(names[what])}"
+            )
+        return found
+
+    _, layers = need("layers")
+    _, heads = need("heads")
+    kv_found = _lookup(config, names["kv_heads"], stack)
+    if kv_found is not None:
+        kv_heads = kv_found[1]
+    elif getattr(config, "multi_query", False) is True:
+        kv_heads = 1
+    else:
+        kv_heads = heads
+    head_dim = getattr(config, "head_dim", None) if stack == "decoder" else None
+    if not isinstance(head_dim, int) or isinstance(head_dim, bool):
+        hidden_attr, hidden = need("hidden")
+        if heads < 1 or hidden % heads:
+            raise ValueError(
+                f"spec_from_hf_config({name!r}): {kind}.{hidden_attr}={hidden} is not "
+                f"divisible by {heads} heads and the config has no head_dim"
+            )
+        head_dim = hidden // heads
+    return ModelLocalKVSpec(
+        name=name,
+        layers=layers,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        physical_capacity_positions=physical_capacity_positions,
+        capacity_source=capacity_source,
+        scope=scope,  # type: ignore[arg-type]  # validated and converted in __post_init__
+        rows=rows,  # type: ignore[arg-type]
+        rows_fixed=rows_fixed,
+        rows_reason=rows_reason,
+        allocation_note=allocation_note,
+    )
+
+
+@dataclass(frozen=True)
+class OwnedSpec:
+    """A declaration and the module path of the object that made it ("" is
+    the root), so a log line can point at the code that owns the cache."""
+
+    owner: str
+    spec: ModelLocalKVSpec
+
+
+@dataclass(frozen=True)
+class DeclarerFailure:
+    """A declarer that raised or returned something unusable. Kept, never
+    dropped: a failure that vanishes looks exactly like a model that holds
+    nothing."""
+
+    owner: str
+    error: str
+
+
+@dataclass(frozen=True)
+class Collection:
+    """What the collector found: valid declarations and named failures."""
+
+    specs: tuple[OwnedSpec, ...]
+    failures: tuple[DeclarerFailure, ...]
+
+
+def _unwrap(model: Any) -> Any:
+    """Follow ``unwrap()`` through runner wrappers (CUDA-graph and compile
+    wrappers expose it) until an object stops unwrapping to something new."""
+    seen = {id(model)}
+    while callable(getattr(type(model), "unwrap", None)):
+        inner = model.unwrap()
+        if inner is None or id(inner) in seen:
+            break
+        seen.add(id(inner))
+        model = inner
+    return model
+
+
+def _owners(root: Any) -> list[tuple[str, Any]]:
+    if isinstance(root, torch.nn.Module):
+        # named_modules() yields each module object once even when it is
+        # registered under several names, so a shared owner is counted once.
+        return list(root.named_modules())
+    return [("", root)]
+
+
+def collect_model_local_kv_specs(model: Any) -> Collection:
+    """Collect every declaration in a loaded model.
+
+    Unwraps runner wrappers, then asks each module in ``named_modules()``
+    (the root included) that has ``model_local_kv_specs``. A declarer that
+    raises, returns a non-sequence, or returns an invalid declaration is
+    logged and recorded in ``failures``: reporting must never break model
+    load, and a lost failure would read as "holds nothing".
+    """
+    root = _unwrap(model)
+    specs: list[OwnedSpec] = []
+    failures: list[DeclarerFailure] = []
+    for path, module in _owners(root):
+        declarer = getattr(module, "model_local_kv_specs", None)
+        if not callable(declarer):
+            continue
+        label = path or "<root>"
+        try:
+            declared = declarer()
+        except Exception as exc:  # noqa: BLE001 - any declarer bug is reported, not raised
+            logger.warning("model_local_kv_specs() of %s raised %r; skipped", label, exc)
+            failures.append(DeclarerFailure(path, f"raised {type(exc).__name__}: {exc}"))
+            continue
+        if declared is None or isinstance(declared, (str, bytes)) or not isinstance(
+            declared, Iterable
+        ):
+            message = f"returned {type(declared).__name__}, expected a sequence of declarations"
+            logger.warning("model_local_kv_specs() of %s %s; skipped", label, message)
+            failures.append(DeclarerFailure(path, message))
+            continue
+        for item in declared:
+            try:
+                specs.append(OwnedSpec(path, normalize_spec(item)))
+            except (InvalidDeclarationError, TypeError) as exc:
+                logger.warning("declaration from %s is invalid: %s; skipped", label, exc)
+                failures.append(DeclarerFailure(path, f"invalid declaration: {exc}"))
+    return Collection(tuple(specs), tuple(failures))

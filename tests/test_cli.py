@@ -1,0 +1,156 @@
+"""`kv-budget plan`: presets, spec files, headroom options, exit codes.
+
+Run through the installed console script, as a user would."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kv_budget.cli import EXIT_BAD_INPUT, EXIT_INFEASIBLE, EXIT_OK
+from kv_budget.units import GiB, MiB
+
+SCRIPT = shutil.which("kv-budget", path=str(Path(sys.executable).parent))
+
+
+def run(*args):
+    assert SCRIPT, "the kv-budget console script is not installed in this environment"
+    return subprocess.run([SCRIPT, *args], capture_output=True, text=True, timeout=120)
+
+
+def plan_json(*args):
+    result = run("plan", "--json", *args)
+    return result, (json.loads(result.stdout) if result.stdout.strip() else None)
+
+
+def test_preset_capped_json_has_the_documented_keys():
+    result, plan = plan_json("--preset", "qwen3-tts-async-chunk", "--headroom-bytes", "1GiB")
+    assert result.returncode == EXIT_OK
+    for key in ("safe_max_num_seqs", "effective_max_num_seqs", "per_seq_bytes", "charged_bytes",
+                "uncharged_fixed_bytes", "headroom_bytes", "decision", "declarations"):
+        assert key in plan
+    assert plan["per_seq_bytes"] == 2 * 4_653_056
+    assert plan["charged_bytes"] == 23_265_280
+    assert plan["headroom_bytes"] == GiB
+    assert plan["effective_max_num_seqs"] == GiB // (2 * 4_653_056)
+    assert plan["decision"] == "capped"
+
+
+def test_explicit_headroom_takes_no_margin_and_device_memory_does():
+    _, explicit = plan_json("--preset", "mimo-audio", "--headroom-bytes", "512MiB")
+    assert explicit["headroom_bytes"] == 512 * MiB and explicit["margin_bytes"] == 0
+    _, derived = plan_json("--preset", "mimo-audio", "--device-memory", "80GiB",
+                           "--gpu-memory-utilization", "0.9")
+    assert derived["margin_bytes"] == 4 * GiB
+    assert derived["headroom_bytes"] == 8 * GiB - 4 * GiB
+    _, margin = plan_json("--preset", "mimo-audio", "--device-memory", "80GiB", "--margin-bytes", "1GiB")
+    assert margin["headroom_bytes"] == 8 * GiB - GiB
+
+
+def test_warn_keeps_max_num_seqs_and_exits_zero():
+    result, plan = plan_json("--preset", "qwen3-tts-async-chunk", "--headroom-bytes", "1GiB",
+                             "--policy", "warn", "--max-num-seqs", "200")
+    assert result.returncode == EXIT_OK
+    assert plan["decision"] == "warned" and plan["effective_max_num_seqs"] == 200
+
+
+def test_infeasible_under_cap_exits_3_with_one_line():
+    result = run("plan", "--preset", "minicpm-o-streaming", "--headroom-bytes", "100MiB")
+    assert result.returncode == EXIT_INFEASIBLE
+    assert "Traceback" not in result.stderr
+    assert "147,456,000 B" in result.stderr and "104,857,600 B" in result.stderr
+    assert "apm/whisper_encoder_kv" in result.stderr
+
+
+def test_table_output_names_figures_and_sources():
+    result = run("plan", "--preset", "ming-talker", "--headroom-bytes", "1GiB")
+    assert result.returncode == EXIT_OK
+    assert "25,165,824 B (24.00 MiB)" in result.stdout
+    assert "--headroom-bytes (operator override)" in result.stdout
+
+
+def test_list_presets():
+    result = run("plan", "--list-presets")
+    assert result.returncode == EXIT_OK
+    assert {line.split(":")[0] for line in result.stdout.splitlines()} == {
+        "qwen3-tts-async-chunk", "mimo-audio", "minicpm-o-streaming", "ming-talker"}
+
+
+def test_spec_file_round_trip(tmp_path):
+    path = tmp_path / "specs.json"
+    path.write_text(json.dumps([
+        {"owner": "talker", "name": "kv", "layers": 2, "kv_heads": 2, "head_dim": 64, "dtype": "bfloat16",
+         "physical_capacity_positions": 100, "capacity_source": "window", "scope": "request",
+         "rows": "max_num_seqs"},
+        {"name": "pool", "layers": 2, "kv_heads": 2, "head_dim": 64, "dtype": "torch.float32",
+         "physical_capacity_positions": 100, "capacity_source": "window", "scope": "session",
+         "rows": "fixed", "rows_fixed": 2, "rows_reason": "two sessions"},
+    ]))
+    result, plan = plan_json("--spec-file", str(path), "--headroom-bytes", "10MiB", "--max-num-seqs", "64")
+    assert result.returncode == EXIT_OK
+    per_seq = 2 * 2 * 2 * 64 * 100 * 2
+    fixed = 2 * (2 * 2 * 2 * 64 * 100 * 4)
+    assert plan["per_seq_bytes"] == per_seq and plan["uncharged_fixed_bytes"] == fixed
+    assert plan["safe_max_num_seqs"] == (10 * MiB - fixed) // per_seq
+    assert plan["declarations"][0]["owner"] == "talker"
+
+
+BAD_SPEC_ENTRIES = [
+    ("not json", "not JSON"),
+    ("{}", "expected a JSON list"),
+    ("[1]", "expected an object"),
+    ('[{"name": "kv"}]', "missing required key"),
+    ('[{"name": "kv", "layers": 2, "kv_heads": 2, "head_dim": 64, "dtype": "bf16", '
+     '"physical_capacity_positions": 1, "capacity_source": "x", "scope": "request", "rows": "max_num_seqs"}]',
+     "not a torch dtype"),
+    ('[{"name": "kv", "layers": 0, "kv_heads": 2, "head_dim": 64, "dtype": "float16", '
+     '"physical_capacity_positions": 1, "capacity_source": "x", "scope": "request", "rows": "max_num_seqs"}]',
+     "'layers' = 0"),
+    ('[{"name": "kv", "layers": 2, "kv_heads": 2, "head_dim": 64, "dtype": "float16", "rows_fixd": 3, '
+     '"physical_capacity_positions": 1, "capacity_source": "x", "scope": "request", "rows": "max_num_seqs"}]',
+     "unknown key"),
+    ('[{"name": "kv", "layers": 2, "kv_heads": 2, "head_dim": 64, "dtype": "float16", "owner": 3, '
+     '"physical_capacity_positions": 1, "capacity_source": "x", "scope": "request", "rows": "max_num_seqs"}]',
+     "'owner' must be a string"),
+]
+
+
+@pytest.mark.parametrize("content, expected", BAD_SPEC_ENTRIES)
+def test_bad_spec_files_exit_2_with_a_message(tmp_path, content, expected):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    result = run("plan", "--spec-file", str(path), "--headroom-bytes", "1GiB")
+    assert result.returncode == EXIT_BAD_INPUT
+    assert expected in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--preset", "ming-talker"], "--headroom-bytes SIZE or --device-memory"),
+        (["--headroom-bytes", "1GiB"], "--spec-file FILE or --preset"),
+        (["--preset", "nope", "--headroom-bytes", "1GiB"], "invalid choice"),
+        (["--preset", "ming-talker", "--headroom-bytes", "12 parsecs"], "unknown unit"),
+        (["--preset", "ming-talker", "--headroom-bytes", "-5"], "not a byte size"),
+        (["--preset", "ming-talker", "--headroom-bytes", "1.5"], "whole number of bytes"),
+        (["--preset", "ming-talker", "--headroom-bytes", "1GiB", "--device-memory", "8GiB"], "not allowed with"),
+        (["--preset", "ming-talker", "--headroom-bytes", "1GiB", "--margin-bytes", "1MiB"], "used as given"),
+        (["--preset", "ming-talker", "--device-memory", "8GiB", "--gpu-memory-utilization", "1.2"], "not in (0, 1]"),
+        (["--preset", "ming-talker", "--device-memory", "8GiB", "--gpu-memory-utilization", "x"], "not a number"),
+        (["--preset", "ming-talker", "--headroom-bytes", "1GiB", "--max-num-seqs", "0"], "must be >= 1"),
+        (["--preset", "ming-talker", "--headroom-bytes", "1GiB", "--max-num-seqs", "many"], "not an integer"),
+        (["--preset", "ming-talker", "--headroom-bytes", "1GiB", "--policy", "maybe"], "invalid choice"),
+        (["--spec-file", "/nonexistent.json", "--headroom-bytes", "1GiB"], "cannot read"),
+        (["--preset", "ming-talker", "--spec-file", "x.json", "--headroom-bytes", "1GiB"], "not allowed with"),
+    ],
+)
+def test_bad_options_exit_2_with_a_message(args, expected):
+    result = run("plan", *args)
+    assert result.returncode == EXIT_BAD_INPUT
+    assert expected in result.stderr
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,85 @@
+"""Every row of the figures table in budget.md, reproduced from declarations.
+
+The figures are the published ones; what is computed is the declaration's
+own arithmetic (protocol) and the planner's sums over the presets.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen2Config
+
+from kv_budget import RowDriver, Scope, budget_worker, headroom_override, spec_from_hf_config
+from kv_budget.presets import PRESETS, preset_collection
+
+
+def _by_name(preset):
+    return {o.spec.name: o.spec for o in preset_collection(preset).specs}
+
+
+def test_qwen3_tts_codec_decoder_rows():
+    specs = _by_name("qwen3-tts-async-chunk")
+    decoder = specs["decoder_kv"]
+    assert decoder.physical_capacity_positions == 71
+    assert decoder.bytes_per_row == 4_653_056
+    assert specs["decoder_kv_working_copy"].bytes_per_row == 4_653_056
+    assert decoder.rows is RowDriver.MAX_NUM_SEQS
+    assert specs["decoder_kv_working_copy"].rows is RowDriver.MAX_NUM_SEQS
+    # Per-request cache alone at max_num_seqs=256, then twice with the copy.
+    assert decoder.peak_bytes(256) == 1_191_182_336
+    budget = budget_worker(preset_collection("qwen3-tts-async-chunk"), headroom_override(0), max_num_seqs=256)
+    assert budget.per_seq_bytes * 256 == 2 * 1_191_182_336
+
+
+def test_qwen3_tts_graph_pool_is_already_charged():
+    pool = _by_name("qwen3-tts-async-chunk")["graph_pool_kv"]
+    assert pool.scope is Scope.MODEL
+    assert pool.peak_bytes(256) == 23_265_280
+    budget = budget_worker(preset_collection("qwen3-tts-async-chunk"), headroom_override(0), max_num_seqs=256)
+    assert budget.charged_bytes == 23_265_280
+    assert budget.uncharged_fixed_bytes == 0
+
+
+def test_mimo_audio_rows():
+    specs = _by_name("mimo-audio")
+    local = specs["local_kv"]
+    assert local.physical_capacity_positions == 11
+    assert local.bytes_per_row == 720_896
+    pool = specs["graph_pool_kv"]
+    assert pool.rows_fixed == sum([1, 2, 4, 6, 8, 16, 32, 64, 128]) == 261
+    assert pool.peak_bytes(256) == 188_153_856
+
+
+def test_minicpm_o_whisper_encoder_row():
+    (spec,) = _by_name("minicpm-o-streaming").values()
+    assert spec.physical_capacity_positions == 1500
+    assert spec.peak_bytes(256) == 147_456_000
+    budget = budget_worker(preset_collection("minicpm-o-streaming"), headroom_override(0), max_num_seqs=256)
+    assert budget.uncharged_fixed_bytes == 147_456_000 and budget.per_seq_bytes == 0
+
+
+def test_ming_talker_from_its_hf_config_geometry():
+    """Geometry as budget.md gives it: 24 layers, 2 kv heads, hidden 896 / 14
+    heads = head_dim 64, bf16, 2048 positions."""
+    config = Qwen2Config(hidden_size=896, num_attention_heads=14, num_key_value_heads=2, num_hidden_layers=24)
+    spec = spec_from_hf_config(
+        config, name="talker", dtype=torch.bfloat16, physical_capacity_positions=2048,
+        capacity_source="hard-coded", scope="invocation", rows="fixed", rows_fixed=1, rows_reason="serialized",
+    )
+    assert spec.head_dim == 64
+    assert spec.bytes_per_row == 25_165_824
+    (preset,) = _by_name("ming-talker").values()
+    assert preset.bytes_per_row == spec.bytes_per_row
+    assert preset.rows_fixed == 1
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_is_valid_and_non_empty(name):
+    collection = preset_collection(name)
+    assert collection.specs and not collection.failures
+
+
+def test_unknown_preset_lists_the_known():
+    with pytest.raises(ValueError, match="ming-talker"):
+        preset_collection("qwen9")

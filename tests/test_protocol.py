@@ -1,0 +1,297 @@
+"""The declaration protocol: validation, duck typing, HF configs, collection."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import types
+
+import pytest
+import torch
+from transformers import GPT2Config, LlamaConfig, Qwen2Config, WhisperConfig
+
+import kv_budget
+from kv_budget import (
+    InvalidDeclarationError,
+    ModelLocalKVSpec,
+    RowDriver,
+    Scope,
+    collect_model_local_kv_specs,
+    normalize_spec,
+    spec_from_hf_config,
+)
+
+VALID = dict(
+    name="kv",
+    layers=2,
+    kv_heads=2,
+    head_dim=4,
+    dtype=torch.float16,
+    physical_capacity_positions=8,
+    capacity_source="test bound",
+    scope=Scope.REQUEST,
+    rows=RowDriver.MAX_NUM_SEQS,
+)
+
+
+def make(**overrides):
+    return ModelLocalKVSpec(**{**VALID, **overrides})
+
+
+def test_bytes_per_row_is_k_and_v_times_geometry():
+    spec = make()
+    assert spec.bytes_per_row == 2 * 2 * 2 * 4 * 8 * 2
+    assert spec.peak_bytes(max_num_seqs=7) == spec.bytes_per_row * 7
+    fixed = make(rows=RowDriver.FIXED, rows_fixed=3, rows_reason="three buckets")
+    assert fixed.peak_bytes(max_num_seqs=256) == fixed.bytes_per_row * 3
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("name", ""),
+        ("name", 3),
+        ("layers", 0),
+        ("layers", -1),
+        ("layers", 2.0),
+        ("layers", True),
+        ("kv_heads", 0),
+        ("head_dim", "64"),
+        ("physical_capacity_positions", 0),
+        ("dtype", "bfloat16"),
+        ("dtype", None),
+        ("capacity_source", ""),
+        ("capacity_source", None),
+        ("scope", "global"),
+        ("scope", "REQUEST"),
+        ("scope", 1),
+        ("rows", "per_request"),
+        ("rows", None),
+        ("allocation_note", 5),
+    ],
+)
+def test_invalid_field_raises_naming_field_value_and_declaration(field, value):
+    with pytest.raises(InvalidDeclarationError) as info:
+        make(**{field: value})
+    message = str(info.value)
+    assert repr(field) in message
+    assert repr(value) in message
+    if field != "name":
+        assert "'kv'" in message
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (dict(rows=RowDriver.FIXED, rows_reason="why"), "rows_fixed"),
+        (dict(rows=RowDriver.FIXED, rows_fixed=0, rows_reason="why"), "rows_fixed"),
+        (dict(rows=RowDriver.FIXED, rows_fixed=True, rows_reason="why"), "rows_fixed"),
+        (dict(rows=RowDriver.FIXED, rows_fixed=2), "rows_reason"),
+        (dict(rows=RowDriver.FIXED, rows_fixed=2, rows_reason="  "), "rows_reason"),
+        (dict(rows=RowDriver.MAX_NUM_SEQS, rows_fixed=2), "rows_fixed"),
+    ],
+)
+def test_fixed_rows_need_a_count_and_a_reason(overrides, field):
+    with pytest.raises(InvalidDeclarationError, match=repr(field)):
+        make(**overrides)
+
+
+def test_fields_are_keyword_only():
+    with pytest.raises(TypeError):
+        ModelLocalKVSpec("kv", 2, 2, 4)  # type: ignore[misc]
+
+
+def test_string_and_foreign_enum_values_are_normalised():
+    class ForeignScope(str, enum.Enum):
+        SESSION = "session"
+
+    spec = make(scope=ForeignScope.SESSION, rows="fixed", rows_fixed=1, rows_reason="one session")
+    assert spec.scope is Scope.SESSION
+    assert spec.rows is RowDriver.FIXED
+
+
+def test_foreign_declaration_objects_are_accepted_as_is():
+    """vLLM-Omni's declarers return objects of their own class with the same
+    attribute names; they are normalised, not rejected."""
+
+    @dataclasses.dataclass
+    class OmniSpec:
+        name: str
+        layers: int
+        kv_heads: int
+        head_dim: int
+        dtype: torch.dtype
+        physical_capacity_positions: int
+        capacity_source: str
+        scope: str
+        rows: str
+        rows_fixed: int | None = None
+        rows_reason: str | None = None
+
+    foreign = OmniSpec(**{**VALID, "scope": "request", "rows": "max_num_seqs"})
+    spec = normalize_spec(foreign)
+    assert isinstance(spec, ModelLocalKVSpec)
+    assert spec.bytes_per_row == make().bytes_per_row
+    assert spec.allocation_note is None
+
+
+def test_foreign_declaration_missing_a_field_is_refused():
+    partial = types.SimpleNamespace(**{k: v for k, v in VALID.items() if k != "capacity_source"})
+    with pytest.raises(InvalidDeclarationError, match="capacity_source.*missing"):
+        normalize_spec(partial)
+
+
+def test_spec_from_qwen2_config_reads_gqa_geometry():
+    config = Qwen2Config(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3)
+    spec = spec_from_hf_config(
+        config, name="kv", dtype=torch.bfloat16, physical_capacity_positions=10,
+        capacity_source="test", scope="request", rows="max_num_seqs",
+    )
+    assert (spec.layers, spec.kv_heads, spec.head_dim) == (3, 2, 64)
+
+
+def test_spec_from_config_prefers_an_explicit_head_dim():
+    config = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=1, head_dim=32)
+    spec = spec_from_hf_config(
+        config, name="kv", dtype=torch.float32, physical_capacity_positions=1,
+        capacity_source="t", scope="request", rows="max_num_seqs",
+    )
+    assert (spec.kv_heads, spec.head_dim) == (1, 32)
+
+
+def test_spec_from_gpt2_config_uses_gpt2_names_and_mha():
+    config = GPT2Config(n_embd=128, n_head=4, n_layer=5)
+    spec = spec_from_hf_config(
+        config, name="kv", dtype=torch.float32, physical_capacity_positions=1,
+        capacity_source="t", scope="request", rows="max_num_seqs",
+    )
+    assert (spec.layers, spec.kv_heads, spec.head_dim) == (5, 4, 32)
+
+
+def test_spec_from_whisper_config_distinguishes_encoder_and_decoder():
+    config = WhisperConfig(d_model=128, encoder_layers=3, decoder_layers=2,
+                           encoder_attention_heads=8, decoder_attention_heads=4)
+    common = dict(dtype=torch.float16, physical_capacity_positions=1500,
+                  capacity_source="embed_positions", scope="session", rows="fixed",
+                  rows_fixed=1, rows_reason="one session")
+    encoder = spec_from_hf_config(config, name="enc", stack="encoder", **common)
+    decoder = spec_from_hf_config(config, name="dec", stack="decoder", **common)
+    assert (encoder.layers, encoder.kv_heads, encoder.head_dim) == (3, 8, 16)
+    assert (decoder.layers, decoder.kv_heads, decoder.head_dim) == (2, 4, 32)
+
+
+def test_spec_from_config_requires_rows_keyword():
+    config = Qwen2Config()
+    with pytest.raises(TypeError, match="rows"):
+        spec_from_hf_config(  # type: ignore[call-arg]
+            config, name="kv", dtype=torch.float32, physical_capacity_positions=1,
+            capacity_source="t", scope="request",
+        )
+
+
+def test_spec_from_config_raises_naming_what_it_tried():
+    config = types.SimpleNamespace(hidden_size=64)
+    with pytest.raises(ValueError) as info:
+        spec_from_hf_config(
+            config, name="kv", dtype=torch.float32, physical_capacity_positions=1,
+            capacity_source="t", scope="request", rows="max_num_seqs",
+        )
+    assert "num_hidden_layers" in str(info.value) and "n_layer" in str(info.value)
+
+
+def test_spec_from_config_refuses_indivisible_hidden_size():
+    config = types.SimpleNamespace(num_hidden_layers=2, num_attention_heads=3, hidden_size=64)
+    with pytest.raises(ValueError, match="not divisible"):
+        spec_from_hf_config(
+            config, name="kv", dtype=torch.float32, physical_capacity_positions=1,
+            capacity_source="t", scope="request", rows="max_num_seqs",
+        )
+
+
+class Owner(torch.nn.Module):
+    def __init__(self, specs):
+        super().__init__()
+        self.specs = specs
+        self.proj = torch.nn.Linear(2, 2)
+
+    def model_local_kv_specs(self):
+        return self.specs
+
+
+class Raises(torch.nn.Module):
+    def model_local_kv_specs(self):
+        raise RuntimeError("config not loaded")
+
+
+class Wrapper:
+    """A runner wrapper (CUDA-graph or compile) exposing unwrap()."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def unwrap(self):
+        return self.inner
+
+
+def test_collector_walks_modules_counts_shared_owner_once_and_includes_root():
+    shared = Owner([make(name="shared")])
+
+    class Root(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = shared
+            self.b = shared  # the same module registered twice
+            self.deep = torch.nn.Sequential(torch.nn.Identity(), Owner([make(name="deep")]))
+
+        def model_local_kv_specs(self):
+            return [make(name="root")]
+
+    collection = collect_model_local_kv_specs(Wrapper(Wrapper(Root())))
+    found = sorted((o.owner, o.spec.name) for o in collection.specs)
+    assert found == [("", "root"), ("a", "shared"), ("deep.1", "deep")]
+    assert collection.failures == ()
+
+
+def test_collector_records_a_raising_declarer_and_keeps_the_others(caplog):
+    root = torch.nn.Sequential(Raises(), Owner([make(name="ok")]))
+    with caplog.at_level(logging.WARNING):
+        collection = collect_model_local_kv_specs(root)
+    assert [o.spec.name for o in collection.specs] == ["ok"]
+    assert len(collection.failures) == 1
+    assert collection.failures[0].owner == "0"
+    assert "RuntimeError: config not loaded" in collection.failures[0].error
+    assert "raised" in caplog.text
+
+
+@pytest.mark.parametrize("returned", [None, "kv", 42])
+def test_collector_records_a_declarer_returning_a_non_sequence(returned):
+    collection = collect_model_local_kv_specs(Owner(returned))
+    assert collection.specs == ()
+    assert "expected a sequence" in collection.failures[0].error
+
+
+def test_collector_records_an_invalid_declaration_and_keeps_valid_siblings():
+    bad = types.SimpleNamespace(**{**VALID, "layers": 0})
+    collection = collect_model_local_kv_specs(Owner([make(name="good"), bad]))
+    assert [o.spec.name for o in collection.specs] == ["good"]
+    assert "'layers'" in collection.failures[0].error
+
+
+def test_declaring_nothing_is_valid():
+    collection = collect_model_local_kv_specs(Owner([]))
+    assert collection.specs == () and collection.failures == ()
+
+
+def test_non_module_owner_is_asked_directly():
+    class Plain:
+        def model_local_kv_specs(self):
+            return [make(name="plain")]
+
+    collection = collect_model_local_kv_specs(Plain())
+    assert [(o.owner, o.spec.name) for o in collection.specs] == [("", "plain")]
+
+
+def test_public_names_are_reexported():
+    for name in ("ModelLocalKVSpec", "collect_model_local_kv_specs", "make_plan", "sample_memory"):
+        assert hasattr(kv_budget, name)
