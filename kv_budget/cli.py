@@ -15,6 +15,7 @@ Exit codes (documented in the README, stable for scripts):
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -117,6 +118,10 @@ def _build_parser() -> argparse.ArgumentParser:
         "Exit 4 on under-declared or undeclared caches.",
     )
     audit.add_argument("target", metavar="MODULE:FACTORY")
+    audit.add_argument(
+        "--max-num-seqs", type=_positive_int,
+        help="live sequences the factory left (default: derived from the caches' batch rows)",
+    )
     audit.add_argument("--json", action="store_true", help="print only the report as JSON")
 
     demo = sub.add_parser("make-demo-model", help="write the demo checkpoint (config, random weights, tokenizer)")
@@ -156,13 +161,17 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 
 def _run_audit(args: argparse.Namespace) -> int:
-    from .audit import audit_module, load_factory
+    from .audit import UnsupportedCacheError, audit_module, load_factory
 
+    # Like `python -m`, resolve MODULE from the working directory first, so
+    # a project's own warm-up script is importable without installing it.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         module = load_factory(args.target)
-    except ValueError as exc:
+        report = audit_module(module, max_num_seqs=args.max_num_seqs)
+    except (ValueError, UnsupportedCacheError) as exc:
         raise _BadInput(str(exc)) from None
-    report = audit_module(module)
     print(report.model_dump_json(indent=2) if args.json else report.render_table())
     return EXIT_AUDIT_FAILED if report.failed else EXIT_OK
 

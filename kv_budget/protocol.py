@@ -40,6 +40,7 @@ __all__ = [
     "DeclarerFailure",
     "Collection",
     "normalize_spec",
+    "unwrap_model",
     "spec_from_hf_config",
     "collect_model_local_kv_specs",
 ]
@@ -400,7 +401,7 @@ class Collection:
     failures: tuple[DeclarerFailure, ...]
 
 
-def _unwrap(model: Any) -> Any:
+def unwrap_model(model: Any) -> Any:
     """Follow ``unwrap()`` through runner wrappers (CUDA-graph and compile
     wrappers expose it) until an object stops unwrapping to something new."""
     seen = {id(model)}
@@ -430,7 +431,7 @@ def collect_model_local_kv_specs(model: Any) -> Collection:
     logged and recorded in ``failures``: reporting must never break model
     load, and a lost failure would read as "holds nothing".
     """
-    root = _unwrap(model)
+    root = unwrap_model(model)
     specs: list[OwnedSpec] = []
     failures: list[DeclarerFailure] = []
     for path, module in _owners(root):

@@ -12,15 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from kv_budget.cli import EXIT_BAD_INPUT, EXIT_INFEASIBLE, EXIT_OK
+from kv_budget.cli import EXIT_AUDIT_FAILED, EXIT_BAD_INPUT, EXIT_INFEASIBLE, EXIT_OK
 from kv_budget.units import GiB, MiB
 
 SCRIPT = shutil.which("kv-budget", path=str(Path(sys.executable).parent))
+REPO = Path(__file__).resolve().parents[1]
 
 
 def run(*args):
     assert SCRIPT, "the kv-budget console script is not installed in this environment"
-    return subprocess.run([SCRIPT, *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([SCRIPT, *args], capture_output=True, text=True, timeout=120, cwd=REPO)
 
 
 def plan_json(*args):
@@ -154,3 +155,34 @@ def test_bad_options_exit_2_with_a_message(args, expected):
     assert result.returncode == EXIT_BAD_INPUT
     assert expected in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_audit_of_a_matching_model_exits_0_with_exact_bytes():
+    result = run("audit", "tests.audit_models:build_ming_omni")
+    assert result.returncode == EXIT_OK, result.stderr
+    assert "25,165,824 B" in result.stdout and "match" in result.stdout
+
+
+def test_audit_of_an_under_declared_model_exits_4():
+    result = run("audit", "tests.audit_models:build_sliding_declared_window_minus_one", "--json")
+    assert result.returncode == EXIT_AUDIT_FAILED
+    report = json.loads(result.stdout)
+    assert report["failed"] is True
+    (owner,) = report["owners"]
+    assert owner["verdict"] == "under-declared"
+    assert owner["measured_bytes"] > owner["declared_bytes"]
+
+
+@pytest.mark.parametrize(
+    "target, expected",
+    [
+        ("no_colon_here", "one ':'"),
+        ("tests.audit_models:returns_none", "returned None"),
+        ("tests.audit_models:NOT_CALLABLE", "not callable"),
+        ("kv_budget_nonexistent_module:build", "cannot import"),
+    ],
+)
+def test_audit_bad_targets_exit_2(target, expected):
+    result = run("audit", target)
+    assert result.returncode == EXIT_BAD_INPUT
+    assert expected in result.stderr and "Traceback" not in result.stderr
