@@ -30,7 +30,7 @@ test: $(STAMP)
 	$(PY) -m pytest
 
 demo: $(STAMP)
-	$(VENV)/bin/kv-budget plan --preset qwen3-tts-async-chunk --headroom-bytes 1GiB --max-num-seqs 256
+	$(PY) -m kv_budget.demo
 
 clean:
 	rm -rf $(VENV) demo-out benchmarks/out

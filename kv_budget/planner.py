@@ -114,15 +114,23 @@ class Headroom(BaseModel):
     margin_bytes: int = 0
 
 
-def headroom_from_free(free_bytes: int, total_bytes: int, source: str, margin_bytes: int | None = None) -> Headroom:
+def headroom_from_free(
+    free_bytes: int, total_bytes: int, source: str, margin_bytes: int | None = None, sharers: int = 1
+) -> Headroom:
     """Headroom from a sample of free memory, minus the margin (the default
-    margin when ``margin_bytes`` is None). Never negative."""
+    margin when ``margin_bytes`` is None), split evenly between ``sharers``
+    workers that draw on the same memory (the workers of vLLM's CPU build
+    all allocate from one host's RAM: giving each the whole of it would
+    plan the host ``sharers`` times over). Never negative."""
     margin = default_margin_bytes(total_bytes) if margin_bytes is None else margin_bytes
     if margin < 0:
         raise ValueError(f"margin_bytes={margin} is negative")
+    if sharers < 1:
+        raise ValueError(f"sharers={sharers} must be >= 1")
+    split = f", split between {sharers} workers sharing it" if sharers > 1 else ""
     return Headroom(
-        bytes=max(free_bytes - margin, 0),
-        source=f"{source}: free {free_bytes:,} B minus margin {margin:,} B",
+        bytes=max(free_bytes - margin, 0) // sharers,
+        source=f"{source}: free {free_bytes:,} B minus margin {margin:,} B{split}",
         sampled_free_bytes=free_bytes,
         margin_bytes=margin,
     )

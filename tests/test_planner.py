@@ -215,3 +215,11 @@ def test_plan_is_the_minimum_over_workers(per_seq, fixed, rooms, max_num_seqs):
     assert plan.safe_max_num_seqs == min(w.safe_max_num_seqs for w in workers)
     singles = [make_plan([w], max_num_seqs, "cap").effective_max_num_seqs for w in workers]
     assert plan.effective_max_num_seqs == min(singles)
+
+
+def test_headroom_shared_by_workers_is_split_evenly():
+    room = headroom_from_free(10 * GiB + 1, 24 * GiB, "psutil", margin_bytes=GiB, sharers=2)
+    assert room.bytes == (9 * GiB + 1) // 2
+    assert "split between 2 workers" in room.source
+    with pytest.raises(ValueError):
+        headroom_from_free(GiB, GiB, "x", sharers=0)

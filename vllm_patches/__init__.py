@@ -1,9 +1,52 @@
 """The only place kv-budget touches vLLM: the general-plugin entry point.
 
-``register`` is named in ``vllm.general_plugins``; vLLM calls it in every
-process, several times.
+``register`` is named in the ``vllm.general_plugins`` entry-point group, so
+installing kv-budget is enough: vLLM calls it in the API server, the engine
+core and every worker process. It is cheap to import (vLLM is imported only
+inside ``register``) and idempotent (a per-process flag, and every patch
+checks its own mark), because vLLM may call it more than once.
+
+What it does, in order:
+
+1. ``compat.check_vllm``: every hook point below exists, or startup fails
+   naming the vLLM version found and the versions tested.
+2. ``cli_flags.patch_engine_args``: ``--model-local-kv-policy``, ``-headroom``,
+   ``-margin``, ``-report`` on every parser built from EngineArgs, copied into
+   ``additional_config["model_local_kv"]``.
+3. ``engine_hook.patch_engine_config_validation``: bad settings raise
+   ValueError where the config is built.
+4. ``engine_hook.patch_engine_core``: the startup plan after the paged KV
+   pool is allocated, before the Scheduler is built.
+5. Registers the demo architecture ``KvBudgetDemoForCausalLM`` (lazily: its
+   module is imported only when a checkpoint names it).
 """
+
+from __future__ import annotations
+
+_registered = False
+
+DEMO_ARCHITECTURE_CLASS = "vllm_patches.demo_model:KvBudgetDemoForCausalLM"
 
 
 def register() -> None:
-    """Plugin entry point. The engine hook arrives with the vLLM integration."""
+    """vLLM general-plugin entry point; safe to call any number of times."""
+    global _registered
+    if _registered:
+        return
+    from vllm import ModelRegistry
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.core import EngineCore
+
+    from kv_budget.demo_checkpoint import ARCHITECTURE
+
+    from .cli_flags import patch_engine_args
+    from .compat import check_vllm
+    from .engine_hook import patch_engine_config_validation, patch_engine_core
+
+    check_vllm()
+    patch_engine_args(EngineArgs)
+    patch_engine_config_validation(EngineArgs)
+    patch_engine_core(EngineCore)
+    if ARCHITECTURE not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(ARCHITECTURE, DEMO_ARCHITECTURE_CLASS)
+    _registered = True

@@ -1,0 +1,85 @@
+"""The engine-side settings: ``additional_config["model_local_kv"]``.
+
+vLLM carries ``VllmConfig.additional_config`` to every process, which makes
+it the supported place for a plugin's settings; the command-line flags
+``--model-local-kv-*`` are written into it, so ``LLM(additional_config=...)``
+and ``vllm serve --model-local-kv-policy ...`` behave the same. Values must
+stay JSON types: vLLM hashes the dict into its compile-cache key.
+
+Unknown keys and bad values raise ``ValueError`` naming the key: a misspelt
+``"polcy": "warn"`` silently ignored would leave the default ``cap`` in force.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from .planner import Policy
+from .units import parse_byte_size
+
+__all__ = ["CONFIG_KEY", "DEFAULT_POLICY", "ModelLocalKVSettings", "settings_from_additional_config"]
+
+CONFIG_KEY = "model_local_kv"
+
+DEFAULT_POLICY = Policy.CAP
+"""Installing the plugin is the opt-in: a server that has it is protected
+without further flags. ``warn`` or ``off`` are one flag away."""
+
+
+class ModelLocalKVSettings(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    policy: Policy = DEFAULT_POLICY
+    headroom_bytes: int | None = None
+    """Explicit headroom per worker, used as given (no margin taken off);
+    None: measure the device after startup."""
+
+    margin_bytes: int | None = None
+    """Safety margin off a measured headroom; None: the default margin."""
+
+    report_path: str | None = None
+    """Where to write the startup plan as JSON; None: no file."""
+
+
+_KNOWN = ("policy", "headroom_bytes", "margin_bytes", "report_path")
+
+
+def _where(key: str) -> str:
+    return f"additional_config[{CONFIG_KEY!r}][{key!r}]"
+
+
+def settings_from_additional_config(additional_config: Any) -> ModelLocalKVSettings:
+    """Read and validate the plugin's settings; absent means the defaults."""
+    if additional_config is None:
+        return ModelLocalKVSettings()
+    if not isinstance(additional_config, dict):
+        raise ValueError(f"additional_config must be a dict to carry {CONFIG_KEY!r}, got {type(additional_config).__name__}")
+    raw = additional_config.get(CONFIG_KEY)
+    if raw is None:
+        return ModelLocalKVSettings()
+    if not isinstance(raw, dict):
+        raise ValueError(f"additional_config[{CONFIG_KEY!r}] must be a dict, got {raw!r}")
+    unknown = sorted(set(raw) - set(_KNOWN))
+    if unknown:
+        raise ValueError(f"additional_config[{CONFIG_KEY!r}] has unknown key(s) {unknown}; known: {list(_KNOWN)}")
+    values: dict[str, Any] = {}
+    if raw.get("policy") is not None:
+        try:
+            values["policy"] = Policy(raw["policy"])
+        except ValueError:
+            raise ValueError(
+                f"{_where('policy')} = {raw['policy']!r} is invalid: choose from {[p.value for p in Policy]}"
+            ) from None
+    for key in ("headroom_bytes", "margin_bytes"):
+        if raw.get(key) is not None:
+            try:
+                values[key] = parse_byte_size(raw[key])
+            except ValueError as exc:
+                raise ValueError(f"{_where(key)}: {exc}") from None
+    if raw.get("report_path") is not None:
+        if not isinstance(raw["report_path"], str) or not raw["report_path"]:
+            raise ValueError(f"{_where('report_path')} = {raw['report_path']!r} is invalid: expected a file path")
+        values["report_path"] = raw["report_path"]
+    return ModelLocalKVSettings(**values)

@@ -1,0 +1,106 @@
+"""The ``--model-local-kv-*`` flags on every parser built from EngineArgs.
+
+vLLM builds the ``vllm serve`` and ``python -m vllm.entrypoints.openai.api_server``
+parsers through ``EngineArgs.add_cli_args`` (after loading general plugins),
+then turns the namespace into EngineArgs with ``EngineArgs.from_cli_args``,
+which drops attributes that are not EngineArgs fields. So two patches: one
+adds the flags, one copies their values into
+``additional_config["model_local_kv"]``, which reaches every process.
+Flags given explicitly win over the same keys in ``--additional-config``;
+other keys there are kept.
+
+Checked on vLLM 0.32.0 (see ``compat.check_vllm``).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from kv_budget.planner import Policy
+from kv_budget.settings import CONFIG_KEY, DEFAULT_POLICY
+from kv_budget.units import parse_byte_size
+
+PATCH_MARK = "_kv_budget_patch"
+
+_FLAG_TO_KEY = {
+    "model_local_kv_policy": "policy",
+    "model_local_kv_headroom": "headroom_bytes",
+    "model_local_kv_margin": "margin_bytes",
+    "model_local_kv_report": "report_path",
+}
+"""argparse dest -> key in additional_config["model_local_kv"]."""
+
+
+def _byte_size(text: str) -> int:
+    try:
+        return parse_byte_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def add_flags(parser):
+    """Add the flag group once (vLLM may build the same parser twice)."""
+    if any("--model-local-kv-policy" in action.option_strings for action in parser._actions):
+        return parser
+    group = parser.add_argument_group(
+        title="ModelLocalKV",
+        description="kv-budget: cap max_num_seqs so model-local KV (caches kept outside the paged "
+        "KV pool) fits the device headroom left after startup.",
+    )
+    # default=SUPPRESS: the attribute is absent unless given, so an explicit
+    # flag can be told from a key set through --additional-config.
+    group.add_argument(
+        "--model-local-kv-policy", choices=[p.value for p in Policy], default=argparse.SUPPRESS,
+        help=f"cap: lower max_num_seqs to what fits, refuse to start if not one sequence fits; "
+        f"warn: log the plan, change nothing; off: do nothing. Default: {DEFAULT_POLICY.value}.",
+    )
+    group.add_argument(
+        "--model-local-kv-headroom", type=_byte_size, default=argparse.SUPPRESS, metavar="SIZE",
+        help="Headroom per worker for model-local KV (e.g. 14GiB, 512MiB, bytes), used as given. "
+        "Default: measured after startup (NVML free memory; system/cgroup memory on CPU) minus the margin.",
+    )
+    group.add_argument(
+        "--model-local-kv-margin", type=_byte_size, default=argparse.SUPPRESS, metavar="SIZE",
+        help="Safety margin taken off a measured headroom. Default: 5%% of the device, at least 1GiB.",
+    )
+    group.add_argument(
+        "--model-local-kv-report", default=argparse.SUPPRESS, metavar="PATH",
+        help="Write the startup plan as JSON to PATH.",
+    )
+    return parser
+
+
+def merge_flags_into_additional_config(engine_args, namespace) -> None:
+    """Copy explicitly given flags into ``engine_args.additional_config``."""
+    given = {key: getattr(namespace, dest) for dest, key in _FLAG_TO_KEY.items() if hasattr(namespace, dest)}
+    if not given:
+        return
+    additional = engine_args.additional_config
+    if not isinstance(additional, dict):
+        raise ValueError(f"--model-local-kv-* flags need additional_config to be a dict, got {type(additional).__name__}")
+    additional = dict(additional)  # never mutate the namespace's own dict
+    section = dict(additional.get(CONFIG_KEY) or {})
+    section.update(given)
+    additional[CONFIG_KEY] = section
+    engine_args.additional_config = additional
+
+
+def patch_engine_args(engine_args_cls) -> None:
+    """Wrap ``add_cli_args`` and ``from_cli_args``; idempotent."""
+    original_add = engine_args_cls.add_cli_args  # a staticmethod: the plain function
+    if not getattr(original_add, PATCH_MARK, False):
+        def add_cli_args(parser):
+            return add_flags(original_add(parser))
+
+        setattr(add_cli_args, PATCH_MARK, True)
+        engine_args_cls.add_cli_args = staticmethod(add_cli_args)
+
+    original_from = engine_args_cls.__dict__["from_cli_args"].__func__
+    if not getattr(original_from, PATCH_MARK, False):
+        def from_cli_args(cls, args):
+            engine_args = original_from(cls, args)
+            merge_flags_into_additional_config(engine_args, args)
+            return engine_args
+
+        setattr(from_cli_args, PATCH_MARK, True)
+        engine_args_cls.from_cli_args = classmethod(from_cli_args)

@@ -1,0 +1,159 @@
+"""The demo architecture: a small Qwen2 LM whose "talker" keeps model-local KV.
+
+Like the talkers and codec decoders of the audio models kv-budget exists
+for, the talker keeps attention KV as a real ``transformers`` cache, outside
+vLLM's paged pool and after vLLM's profiling: on every forward step it builds
+a ``DynamicCache`` with one row per sequence in the step, holds it while it
+works, and frees it when the step returns. So it declares scope
+``invocation`` with ``max_num_seqs`` rows, and a step of N sequences holds
+exactly N rows.
+
+It records what it really held (peak bytes, counted from the cache's
+storage, and the most sequences at once) and, when
+``KV_BUDGET_DEMO_STATS_DIR`` is set, writes them to
+``stats-rank{R}.json`` there whenever a peak grows, so the demo and the
+tests can compare measured with predicted from outside the worker process.
+
+The talker holds no parameters: weight loading would demand them from the
+checkpoint. Its bookkeeping runs in the outer ``forward``, before the
+compiled ``Qwen2Model``, so torch.compile never traces it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache, Qwen2Config
+from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from vllm.forward_context import get_forward_context, is_forward_context_available
+from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
+
+from kv_budget.audit import measure_cache_bytes
+from kv_budget.demo import STATS_DIR_ENV
+from kv_budget.demo_checkpoint import TALKER_KEY
+from kv_budget.protocol import ModelLocalKVSpec, RowDriver, Scope, spec_from_hf_config
+
+
+
+def sequences_in_step() -> int | None:
+    """Sequences in the current forward step, from vLLM's attention
+    metadata (``query_start_loc`` has one entry per request plus one). None
+    on profile and dummy runs, which have no metadata: nothing to hold.
+    ``batch_descriptor.num_reqs`` is not used: it is None on the CPU build."""
+    if not is_forward_context_available():
+        return None
+    metadata = get_forward_context().attn_metadata
+    if isinstance(metadata, list):  # micro-batches: the first carries the batch layout
+        metadata = metadata[0] if metadata else None
+    if not metadata:
+        return None
+    query_start_loc = getattr(next(iter(metadata.values())), "query_start_loc", None)
+    return None if query_start_loc is None else int(query_start_loc.shape[0]) - 1
+
+
+class Talker(torch.nn.Module):
+    """Keeps one step's worth of talker KV rows; declares exactly that."""
+
+    def __init__(self, settings: dict, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        if settings["num_key_value_heads"] % tp_size:
+            raise ValueError(
+                f"talker num_key_value_heads={settings['num_key_value_heads']} is not divisible "
+                f"by tensor_parallel_size={tp_size}"
+            )
+        self.settings = settings
+        self.dtype = getattr(torch, settings["dtype"])
+        self.rank = tp_rank
+        # The talker's attention is sharded like vLLM's: kv heads split
+        # across tensor-parallel ranks.
+        self.config = Qwen2Config(
+            hidden_size=settings["hidden_size"],
+            num_attention_heads=settings["num_attention_heads"],
+            num_key_value_heads=settings["num_key_value_heads"] // tp_size,
+            num_hidden_layers=settings["num_hidden_layers"],
+        )
+        self.head_dim = settings["hidden_size"] // settings["num_attention_heads"]
+        self.has_postnet = tp_rank == tp_size - 1
+        self.stats = {"rank": tp_rank, "peak_bytes": 0, "peak_sequences": 0}
+
+    def model_local_kv_specs(self) -> list[ModelLocalKVSpec]:
+        if self.settings["declarer_raises"]:
+            raise RuntimeError("demo talker declarer configured to raise (declarer_raises=true)")
+        specs = [
+            spec_from_hf_config(
+                self.config,
+                name="talker_step_kv",
+                dtype=self.dtype,
+                physical_capacity_positions=self.settings["positions"],
+                capacity_source=f"config {TALKER_KEY}.positions",
+                scope=Scope.INVOCATION,
+                rows=RowDriver.MAX_NUM_SEQS,
+                allocation_note="DynamicCache built each forward step, one row per sequence, freed on return",
+            )
+        ]
+        if self.has_postnet:
+            specs.append(
+                ModelLocalKVSpec(
+                    name="postnet_step_kv",
+                    layers=1,
+                    kv_heads=self.settings["num_key_value_heads"],
+                    head_dim=self.head_dim,
+                    dtype=self.dtype,
+                    physical_capacity_positions=self.settings["postnet_positions"],
+                    capacity_source=f"config {TALKER_KEY}.postnet_positions",
+                    scope=Scope.INVOCATION,
+                    rows=RowDriver.MAX_NUM_SEQS,
+                    allocation_note="unsharded; last tensor-parallel rank only",
+                )
+            )
+        return specs
+
+    def _fill(self, cache: DynamicCache, rows: int, layers: int, kv_heads: int, positions: int) -> None:
+        for layer in range(layers):
+            keys = torch.zeros(rows, kv_heads, positions, self.head_dim, dtype=self.dtype)
+            cache.update(keys, torch.zeros_like(keys), layer)
+
+    @torch.compiler.disable
+    def step(self) -> None:
+        rows = sequences_in_step()
+        if not rows:
+            return
+        caches = [DynamicCache()]
+        self._fill(caches[0], rows, self.config.num_hidden_layers, self.config.num_key_value_heads,
+                   self.settings["positions"])
+        if self.has_postnet:
+            caches.append(DynamicCache())
+            self._fill(caches[1], rows, 1, self.settings["num_key_value_heads"], self.settings["postnet_positions"])
+        held = sum(measure_cache_bytes(cache) for cache in caches)
+        if held > self.stats["peak_bytes"] or rows > self.stats["peak_sequences"]:
+            self.stats["peak_bytes"] = max(self.stats["peak_bytes"], held)
+            self.stats["peak_sequences"] = max(self.stats["peak_sequences"], rows)
+            self._write_stats()
+
+    def _write_stats(self) -> None:
+        directory = os.environ.get(STATS_DIR_ENV)
+        if not directory:
+            return
+        path = Path(directory) / f"stats-rank{self.rank}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.stats))
+        tmp.replace(path)
+
+
+class KvBudgetDemoForCausalLM(Qwen2ForCausalLM):
+    """Qwen2ForCausalLM plus a :class:`Talker` that runs every step."""
+
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        settings = getattr(vllm_config.model_config.hf_config, TALKER_KEY, None)
+        if not isinstance(settings, dict):
+            raise ValueError(f"the demo checkpoint's config has no {TALKER_KEY!r} section; "
+                             "write it with `kv-budget make-demo-model DIR`")
+        self.talker = Talker(settings, get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size())
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
+        self.talker.step()
+        return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds)

@@ -1,0 +1,179 @@
+"""The startup hook: plan model-local KV after the paged KV pool exists.
+
+``EngineCore.__init__`` builds the executor (workers load the model), then
+``_initialize_kv_caches`` (profile, allocate the paged KV pool, warm up or
+capture CUDA graphs), then the Scheduler from ``scheduler_config``. The hook
+runs when ``_initialize_kv_caches`` returns: everything startup made
+resident is out of the device's free memory, and a lower ``max_num_seqs``
+set now is the one the Scheduler is built with. Lowering it only in the
+engine core is safe: workers were sized for the larger value. Raising it is
+not, and the planner never does.
+
+The patch is on ``EngineCore`` (which ``EngineCoreProc`` and
+``DPEngineCoreProc`` inherit), not on a worker class: the CPU worker
+overrides ``determine_available_memory``, and the engine level covers both.
+Checked on vLLM 0.32.0 (see ``compat.check_vllm``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from kv_budget.memory import MemorySamplingError, sample_memory
+from kv_budget.planner import (
+    Decision,
+    Plan,
+    Policy,
+    WorkerBudget,
+    budget_worker,
+    headroom_from_free,
+    headroom_override,
+    make_plan,
+)
+from kv_budget.protocol import collect_model_local_kv_specs
+from kv_budget.report import infeasible_message, render_plan_table, summary_line
+from kv_budget.settings import ModelLocalKVSettings, settings_from_additional_config
+
+from .cli_flags import PATCH_MARK
+
+logger = logging.getLogger("vllm.kv_budget")
+
+
+class ModelLocalKVInfeasibleError(RuntimeError):
+    """Under ``cap``, not even one sequence's model-local KV fits: the
+    engine refuses to start rather than fail on the first requests."""
+
+
+def budget_on_worker(worker: Any, settings: dict, configured_max_num_seqs: int, sharers: int) -> dict:
+    """Runs in every worker (``collective_rpc``): collect the loaded model's
+    declarations, sample this worker's device, and budget it. Returns plain
+    JSON data (it crosses a process boundary)."""
+    start = time.perf_counter()
+    config = ModelLocalKVSettings.model_validate(settings)
+    collection = collect_model_local_kv_specs(worker.model_runner.model)
+    if config.headroom_bytes is not None:
+        headroom = headroom_override(
+            config.headroom_bytes, "--model-local-kv-headroom (operator override, per worker)"
+        )
+    else:
+        device = worker.device
+        try:
+            sample = sample_memory(device.type, device.index or 0)
+        except MemorySamplingError as exc:
+            return {"rank": worker.rank, "budget": None, "error": str(exc), "seconds": time.perf_counter() - start}
+        headroom = headroom_from_free(
+            sample.free_bytes, sample.total_bytes, sample.source, config.margin_bytes, sharers
+        )
+    budget = budget_worker(collection, headroom, rank=worker.rank, max_num_seqs=configured_max_num_seqs)
+    return {
+        "rank": worker.rank,
+        "budget": budget.model_dump(mode="json"),
+        "error": None,
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def _workers_sharing_memory(vllm_config: Any) -> int:
+    """On vLLM's CPU build every worker allocates from the same host RAM;
+    on a GPU each worker has its own device."""
+    from vllm.platforms import current_platform
+
+    return vllm_config.parallel_config.world_size if current_platform.is_cpu() else 1
+
+
+def _write_report(path: str, plan: Plan, seconds: float, worker_seconds: list[float]) -> None:
+    from .compat import vllm_version
+
+    report = plan.model_dump(mode="json")
+    report["plugin_seconds"] = seconds
+    report["worker_seconds"] = worker_seconds
+    report["vllm_version"] = vllm_version()
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(report, indent=2))
+
+
+def plan_after_kv_caches(core: Any, vllm_config: Any) -> Plan | None:
+    """Collect, sample and plan on every worker, take the minimum, apply
+    the policy. Returns the plan (None under ``off``)."""
+    settings = settings_from_additional_config(vllm_config.additional_config)
+    if settings.policy is Policy.OFF:
+        return None
+    scheduler_config = vllm_config.scheduler_config
+    configured = scheduler_config.max_num_seqs
+    start = time.perf_counter()
+    results = core.collective_rpc(
+        budget_on_worker,
+        args=(settings.model_dump(mode="json"), configured, _workers_sharing_memory(vllm_config)),
+    )
+    errors = [f"rank {r['rank']}: {r['error']}" for r in results if r["error"]]
+    if errors:
+        message = (
+            "kv-budget could not measure device memory (" + "; ".join(errors) + "); "
+            "pass --model-local-kv-headroom SIZE to plan against an explicit headroom"
+        )
+        if settings.policy is Policy.CAP:
+            raise ModelLocalKVInfeasibleError(message)
+        logger.warning("%s; policy warn: max_num_seqs left at %d", message, configured)
+        return None
+    workers = [WorkerBudget.model_validate(r["budget"]) for r in results]
+    plan = make_plan(workers, configured, settings.policy)
+    seconds = time.perf_counter() - start
+    for line in render_plan_table(plan).splitlines():
+        logger.info("%s", line)
+    logger.info(
+        "kv-budget: collect + sample + plan took %.3f s over %d worker(s)", seconds, len(workers)
+    )
+    if settings.report_path:
+        _write_report(settings.report_path, plan, seconds, [r["seconds"] for r in results])
+        logger.info("kv-budget: startup plan written to %s", settings.report_path)
+    if plan.decision is Decision.INFEASIBLE:
+        raise ModelLocalKVInfeasibleError(infeasible_message(plan))
+    if plan.decision is Decision.CAPPED:
+        scheduler_config.max_num_seqs = plan.effective_max_num_seqs
+        active = getattr(scheduler_config, "max_num_active_seqs", None)
+        if active is not None and active > plan.effective_max_num_seqs:
+            scheduler_config.max_num_active_seqs = plan.effective_max_num_seqs
+        logger.warning("%s", summary_line(plan))
+    elif plan.decision is Decision.WARNED:
+        logger.warning("%s", summary_line(plan))
+    return plan
+
+
+def patch_engine_core(engine_core_cls) -> None:
+    """Run :func:`plan_after_kv_caches` when ``_initialize_kv_caches``
+    returns, before the Scheduler is built; idempotent."""
+    original = engine_core_cls._initialize_kv_caches
+    if getattr(original, PATCH_MARK, False):
+        return
+
+    def _initialize_kv_caches(self, vllm_config):
+        kv_cache_config = original(self, vllm_config)
+        plan_after_kv_caches(self, vllm_config)
+        return kv_cache_config
+
+    setattr(_initialize_kv_caches, PATCH_MARK, True)
+    _initialize_kv_caches.__wrapped__ = original  # type: ignore[attr-defined]
+    engine_core_cls._initialize_kv_caches = _initialize_kv_caches
+
+
+def patch_engine_config_validation(engine_args_cls) -> None:
+    """Validate ``additional_config["model_local_kv"]`` where the config is
+    built, in the process the user called: a bad value through
+    ``LLM(additional_config=...)`` raises ValueError naming the key there,
+    not later inside an engine-core process as "initialization failed"."""
+    original = engine_args_cls.create_engine_config
+    if getattr(original, PATCH_MARK, False):
+        return
+
+    def create_engine_config(self, *args, **kwargs):
+        vllm_config = original(self, *args, **kwargs)
+        settings_from_additional_config(vllm_config.additional_config)
+        return vllm_config
+
+    setattr(create_engine_config, PATCH_MARK, True)
+    engine_args_cls.create_engine_config = create_engine_config
