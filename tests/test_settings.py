@@ -1,0 +1,45 @@
+"""additional_config["model_local_kv"]: defaults, values, and errors naming the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from kv_budget.planner import Policy
+from kv_budget.settings import DEFAULT_POLICY, settings_from_additional_config
+from kv_budget.units import GiB, MiB
+
+
+def test_absent_settings_are_the_defaults_and_cap_is_the_default():
+    for config in (None, {}, {"model_local_kv": None}, {"other_plugin": {"x": 1}}):
+        settings = settings_from_additional_config(config)
+        assert settings.policy is DEFAULT_POLICY is Policy.CAP
+        assert settings.headroom_bytes is None and settings.margin_bytes is None and settings.report_path is None
+
+
+def test_values_parse_sizes_with_units_and_plain_bytes():
+    settings = settings_from_additional_config(
+        {"model_local_kv": {"policy": "warn", "headroom_bytes": "14GiB", "margin_bytes": 512 * MiB,
+                            "report_path": "plan.json"}}
+    )
+    assert settings.policy is Policy.WARN
+    assert settings.headroom_bytes == 14 * GiB and settings.margin_bytes == 512 * MiB
+    assert settings.report_path == "plan.json"
+
+
+@pytest.mark.parametrize(
+    "config, expected",
+    [
+        ([1], "must be a dict"),
+        ({"model_local_kv": "cap"}, "must be a dict"),
+        ({"model_local_kv": {"policy": "CAP"}}, "['policy'] = 'CAP' is invalid: choose from ['cap', 'warn', 'off']"),
+        ({"model_local_kv": {"headroom_bytes": "-1"}}, "['headroom_bytes']"),
+        ({"model_local_kv": {"margin_bytes": "1 lightyear"}}, "['margin_bytes']"),
+        ({"model_local_kv": {"margin_bytes": True}}, "['margin_bytes']"),
+        ({"model_local_kv": {"report_path": 3}}, "['report_path'] = 3 is invalid"),
+        ({"model_local_kv": {"headroom": "1GiB"}}, "unknown key(s) ['headroom']"),
+    ],
+)
+def test_bad_values_raise_value_error_naming_the_key(config, expected):
+    with pytest.raises(ValueError) as info:
+        settings_from_additional_config(config)
+    assert expected in str(info.value)

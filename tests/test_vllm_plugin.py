@@ -1,0 +1,150 @@
+"""The plugin's glue against the real installed vLLM, in process, without
+starting an engine: entry point, idempotence, version checks, the flags on
+vLLM's own parser, and settings validation where the config is built."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+
+import pytest
+
+from kv_budget.settings import ModelLocalKVSettings, settings_from_additional_config
+
+vllm = pytest.importorskip("vllm")
+
+from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs  # noqa: E402
+from vllm.utils.argparse_utils import FlexibleArgumentParser  # noqa: E402
+from vllm.v1.engine.core import EngineCore  # noqa: E402
+
+import vllm_patches  # noqa: E402
+from vllm_patches import compat  # noqa: E402
+from vllm_patches.cli_flags import PATCH_MARK, add_flags  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    vllm_patches.register()
+
+
+def test_entry_point_is_declared_for_vllm():
+    (entry,) = [e for e in importlib.metadata.entry_points(group="vllm.general_plugins") if e.name == "kv_budget"]
+    assert entry.value == "vllm_patches:register"
+    assert entry.load() is vllm_patches.register
+
+
+def test_register_is_idempotent():
+    before = (EngineArgs.add_cli_args, EngineArgs.__dict__["from_cli_args"].__func__,
+              EngineArgs.create_engine_config, EngineCore._initialize_kv_caches)
+    vllm_patches._registered = False  # as in a fresh process that loads the plugin again
+    vllm_patches.register()
+    vllm_patches.register()
+    after = (EngineArgs.add_cli_args, EngineArgs.__dict__["from_cli_args"].__func__,
+             EngineArgs.create_engine_config, EngineCore._initialize_kv_caches)
+    assert before == after
+    assert all(getattr(fn, PATCH_MARK, False) for fn in after)
+    # Wrapped exactly once: the original is one level down and unmarked.
+    assert not getattr(EngineCore._initialize_kv_caches.__wrapped__, PATCH_MARK, False)
+
+
+def _serve_parser() -> FlexibleArgumentParser:
+    parser = FlexibleArgumentParser()
+    return AsyncEngineArgs.add_cli_args(parser)
+
+
+def test_flags_appear_once_on_vllms_parser_with_choices():
+    parser = add_flags(_serve_parser())  # adding again must not duplicate the group
+    flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--model-local-kv")]
+    assert sorted(flags) == ["--model-local-kv-headroom", "--model-local-kv-margin",
+                             "--model-local-kv-policy", "--model-local-kv-report"]
+    policy = next(a for a in parser._actions if "--model-local-kv-policy" in a.option_strings)
+    assert list(policy.choices) == ["cap", "warn", "off"]
+
+
+def test_flags_reach_additional_config_and_win_over_json_keys():
+    parser = _serve_parser()
+    args = parser.parse_args([
+        "--additional-config", json.dumps({"model_local_kv": {"policy": "warn", "margin_bytes": "1GiB"}, "other": 1}),
+        "--model-local-kv-policy", "cap", "--model-local-kv-headroom", "2GiB",
+        "--model-local-kv-report", "/tmp/plan.json",
+    ])
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    assert engine_args.additional_config == {
+        "model_local_kv": {"policy": "cap", "margin_bytes": "1GiB", "headroom_bytes": 2 * 1024**3,
+                           "report_path": "/tmp/plan.json"},
+        "other": 1,
+    }
+    settings = settings_from_additional_config(engine_args.additional_config)
+    assert settings == ModelLocalKVSettings(policy="cap", headroom_bytes=2 * 1024**3, margin_bytes=1024**3,
+                                            report_path="/tmp/plan.json")
+
+
+def test_no_flags_leave_additional_config_alone():
+    args = _serve_parser().parse_args([])
+    assert AsyncEngineArgs.from_cli_args(args).additional_config == {}
+
+
+def test_bad_headroom_flag_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        _serve_parser().parse_args(["--model-local-kv-headroom", "lots"])
+    assert info.value.code == 2
+    assert "--model-local-kv-headroom" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "section, key",
+    [
+        ({"policy": "sometimes"}, "'policy'"),
+        ({"headroom_bytes": "12 parsecs"}, "'headroom_bytes'"),
+        ({"polcy": "warn"}, "unknown key"),
+    ],
+)
+def test_llm_with_bad_additional_config_raises_value_error_naming_the_key(tmp_path, section, key):
+    """Raised by LLM(...) in the caller's process, before any engine starts."""
+    from kv_budget.demo_checkpoint import write_demo_checkpoint
+
+    checkpoint = write_demo_checkpoint(tmp_path / "ckpt")
+    with pytest.raises(ValueError, match=key):
+        vllm.LLM(model=str(checkpoint), additional_config={"model_local_kv": section}, enforce_eager=True)
+
+
+def test_version_check_passes_on_the_tested_vllm():
+    assert compat.check_vllm() == vllm.__version__ == "0.32.0"
+
+
+@pytest.mark.parametrize("target, attribute", [
+    (EngineCore, "_initialize_kv_caches"),
+    (EngineArgs, "from_cli_args"),
+])
+def test_missing_hook_point_fails_naming_found_and_tested_versions(monkeypatch, target, attribute):
+    monkeypatch.delattr(target, attribute)
+    with pytest.raises(compat.UnsupportedVllmError) as info:
+        compat.check_vllm()
+    message = str(info.value)
+    assert f"vLLM {vllm.__version__}" in message
+    assert "tested: 0.32.0" in message
+    assert attribute in message
+
+
+def test_untested_version_with_hook_points_warns(monkeypatch, caplog):
+    monkeypatch.setattr(vllm, "__version__", "0.99.0")
+    with caplog.at_level("WARNING", logger="vllm.kv_budget"):
+        assert compat.check_vllm() == "0.99.0"
+    assert "not been tested with vLLM 0.99.0" in caplog.text
+
+
+def test_demo_architecture_is_registered():
+    from vllm import ModelRegistry
+
+    assert "KvBudgetDemoForCausalLM" in ModelRegistry.get_supported_archs()
+
+
+def test_argparse_namespace_without_flags_is_not_touched():
+    from vllm_patches.cli_flags import merge_flags_into_additional_config
+
+    class Args:
+        additional_config = {"x": 1}
+
+    merge_flags_into_additional_config(Args, argparse.Namespace())
+    assert Args.additional_config == {"x": 1}
