@@ -59,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--headroom", default=None, help=f"explicit headroom (default: {CPU_HEADROOM} without a GPU, measured with one)")
+    parser.add_argument("--talker-positions", type=int, default=None,
+                        help="positions per talker row (default 256: 1 MiB per sequence); larger makes the "
+                        "cap bite against a large measured GPU headroom")
     args = parser.parse_args(argv)
 
     out = Path(args.out).resolve()
@@ -70,15 +73,17 @@ def main(argv: list[str] | None = None) -> int:
     report_path.unlink(missing_ok=True)
 
     print(f"[demo] writing the demo checkpoint to {out / 'checkpoint'}", flush=True)
-    checkpoint = write_demo_checkpoint(out / "checkpoint")
+    talker = {"positions": args.talker_positions} if args.talker_positions else None
+    checkpoint = write_demo_checkpoint(out / "checkpoint", talker)
     headroom = args.headroom or (None if _has_cuda() else CPU_HEADROOM)
     flags = ["--model-local-kv-policy", "cap", "--model-local-kv-report", str(report_path)]
     if headroom is not None:
         flags += ["--model-local-kv-headroom", headroom]
     else:
         print("[demo] CUDA device found: headroom measured through NVML after startup", flush=True)
-    if not _has_cuda():
-        flags.append("--enforce-eager")
+    # The talker's bookkeeping is Python that must run every step; a full
+    # CUDA graph of the step would replay without it.
+    flags.append("--enforce-eager")
     server = ApiServer(
         model=str(checkpoint), log_path=out / "server.log", max_num_seqs=args.max_num_seqs,
         extra_args=flags, env={STATS_DIR_ENV: str(stats_dir)},

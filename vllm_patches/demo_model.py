@@ -16,7 +16,9 @@ tests can compare measured with predicted from outside the worker process.
 
 The talker holds no parameters: weight loading would demand them from the
 checkpoint. Its bookkeeping runs in the outer ``forward``, before the
-compiled ``Qwen2Model``, so torch.compile never traces it.
+compiled ``Qwen2Model``, so torch.compile never traces it. Serve it with
+``--enforce-eager``: a full CUDA graph of the step would replay the kernels
+without running the talker's Python, and it would hold nothing.
 """
 
 from __future__ import annotations
@@ -111,22 +113,27 @@ class Talker(torch.nn.Module):
             )
         return specs
 
-    def _fill(self, cache: DynamicCache, rows: int, layers: int, kv_heads: int, positions: int) -> None:
+    def _fill(
+        self, cache: DynamicCache, rows: int, layers: int, kv_heads: int, positions: int, device: torch.device
+    ) -> None:
         for layer in range(layers):
-            keys = torch.zeros(rows, kv_heads, positions, self.head_dim, dtype=self.dtype)
+            keys = torch.zeros(rows, kv_heads, positions, self.head_dim, dtype=self.dtype, device=device)
             cache.update(keys, torch.zeros_like(keys), layer)
 
     @torch.compiler.disable
-    def step(self) -> None:
+    def step(self, device: torch.device) -> None:
+        """Hold this step's rows on ``device`` (the model's: on a GPU the
+        rows must come out of device memory, which is what the plan guards)."""
         rows = sequences_in_step()
         if not rows:
             return
         caches = [DynamicCache()]
         self._fill(caches[0], rows, self.config.num_hidden_layers, self.config.num_key_value_heads,
-                   self.settings["positions"])
+                   self.settings["positions"], device)
         if self.has_postnet:
             caches.append(DynamicCache())
-            self._fill(caches[1], rows, 1, self.settings["num_key_value_heads"], self.settings["postnet_positions"])
+            self._fill(caches[1], rows, 1, self.settings["num_key_value_heads"],
+                       self.settings["postnet_positions"], device)
         held = sum(measure_cache_bytes(cache) for cache in caches)
         if held > self.stats["peak_bytes"] or rows > self.stats["peak_sequences"]:
             self.stats["peak_bytes"] = max(self.stats["peak_bytes"], held)
@@ -155,5 +162,5 @@ class KvBudgetDemoForCausalLM(Qwen2ForCausalLM):
         self.talker = Talker(settings, get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size())
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
-        self.talker.step()
+        self.talker.step(positions.device)
         return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds)

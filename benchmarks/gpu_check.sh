@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# GPU check, for a fresh single-GPU CUDA machine. Not part of `make test`.
+#
+#   bash benchmarks/gpu_check.sh [OUT_DIR]        # finishes within 10 minutes
+#
+# 1. NVML and CUDA without vLLM (benchmarks/gpu_nvml_check.py): the real
+#    NVML sampler, by index and by UUID, and a real StaticCache on the GPU
+#    whose declared, audited and allocated bytes must agree.
+# 2. The demo with NVML-measured headroom: a real vLLM api_server with the
+#    plugin under --model-local-kv-policy cap, 256 concurrent requests; it
+#    prints the plan, the measured peak model-local bytes and whether any
+#    request failed. The talker is made large (32768 positions, 128 MiB per
+#    sequence) so the cap bites against a measured H100/H200-sized headroom.
+#
+# Installs what it needs into .venv-gpu (PyTorch from the machine where one
+# is installed, plus kv-budget with the `cuda` extra). Where the package
+# index cannot be reached and vLLM is not installed, step 2 is reported as
+# SKIPPED and step 1 still runs.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR=${1:-${OUT:-gpu-check-out}}
+mkdir -p "$OUT_DIR"
+export PYTHONUNBUFFERED=1
+start=$(date +%s)
+
+nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv || { echo "no NVIDIA GPU"; exit 1; }
+
+PY=python3
+if ! $PY -c "import vllm" 2>/dev/null; then
+    $PY -m venv --system-site-packages .venv-gpu && PY=.venv-gpu/bin/python
+    if timeout 300 $PY -m pip install -q -e '.[cuda,test]' >"$OUT_DIR/pip.log" 2>&1; then
+        echo "[gpu-check] installed kv-budget[cuda] into .venv-gpu"
+    else
+        echo "[gpu-check] pip could not install vllm (offline?): see $OUT_DIR/pip.log; installing kv-budget alone"
+        $PY -m pip install -q --no-deps --no-build-isolation -e . >>"$OUT_DIR/pip.log" 2>&1 \
+            || export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    fi
+fi
+$PY -c "import torch, transformers, pydantic, pynvml, psutil; print('[gpu-check] torch', torch.__version__, 'transformers', transformers.__version__)"
+
+echo "[gpu-check] step 1: NVML and CUDA caches"
+$PY benchmarks/gpu_nvml_check.py "$OUT_DIR" 2>&1 | tee "$OUT_DIR/step1.log"
+step1=${PIPESTATUS[0]}
+
+step2=SKIPPED
+if $PY -c "import vllm" 2>/dev/null; then
+    echo "[gpu-check] step 2: demo with NVML-measured headroom"
+    if timeout 420 $PY -m kv_budget.demo --out "$OUT_DIR/demo" --talker-positions 32768 2>&1 | tee "$OUT_DIR/step2.log"; then
+        step2=PASS
+    else
+        step2=FAIL
+        tail -40 "$OUT_DIR/demo/server.log" 2>/dev/null
+    fi
+else
+    echo "[gpu-check] step 2 SKIPPED: vLLM is not installed and could not be installed here"
+fi
+
+echo "[gpu-check] step 1 (NVML/CUDA): $([ "$step1" = 0 ] && echo PASS || echo FAIL); step 2 (demo): $step2; $(( $(date +%s) - start )) s"
+[ "$step1" = 0 ] && [ "$step2" != FAIL ]
