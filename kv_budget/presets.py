@@ -20,7 +20,12 @@ __all__ = ["PRESETS", "preset_collection"]
 def _qwen3_tts_async_chunk() -> list[OwnedSpec]:
     """Qwen3-TTS codec decoder in async-chunk mode (the stateless path holds
     no KV and must declare nothing). Sliding window 72 keeps 71 positions.
-    8 layers x 16 kv heads x head_dim 64 in float32 = 4,653,056 B per row."""
+    8 layers x 16 kv heads x head_dim 64 in float32 = 4,653,056 B per row.
+
+    71 is the published figure and is kept so the preset reproduces it; the
+    audit shows transformers 5.x sliding layers keep W = 72 positions of
+    storage alive after a decode step (4,718,592 B per row), more with
+    multi-token chunks (docs/semantics.md)."""
     geometry = dict(layers=8, kv_heads=16, head_dim=64, dtype=torch.float32,
                     physical_capacity_positions=71, capacity_source="sliding_window - 1")
     owner = "code2wav.decoder"
