@@ -52,10 +52,10 @@ def _where(key: str) -> str:
 
 def settings_from_additional_config(additional_config: Any) -> ModelLocalKVSettings:
     """Read and validate the plugin's settings; absent means the defaults."""
-    if additional_config is None:
-        return ModelLocalKVSettings()
     if not isinstance(additional_config, dict):
-        raise ValueError(f"additional_config must be a dict to carry {CONFIG_KEY!r}, got {type(additional_config).__name__}")
+        # vLLM also accepts a hashable object of another plugin's here; it
+        # cannot carry our key, and refusing it would break that engine.
+        return ModelLocalKVSettings()
     raw = additional_config.get(CONFIG_KEY)
     if raw is None:
         return ModelLocalKVSettings()
