@@ -91,7 +91,7 @@ from transformers.cache_utils import (
 from kv_budget.protocol import (
     ModelLocalKVSpec,
     RowDriver,
-    _owners,
+    walk_modules,
     unwrap_model,
     collect_model_local_kv_specs,
 )
@@ -579,7 +579,7 @@ def audit_module(module: Any, max_num_seqs: int | None = None) -> AuditReport:
     for owned in collection.specs:
         specs_by_owner.setdefault(owned.owner, []).append(owned.spec)
 
-    owners = _owners(root)
+    owners = walk_modules(root)
     held = {path: _held_caches(obj) for path, obj in owners}
     holders: dict[int, list[str]] = {}
     for path, _ in owners:

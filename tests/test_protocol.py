@@ -295,3 +295,42 @@ def test_non_module_owner_is_asked_directly():
 def test_public_names_are_reexported():
     for name in ("ModelLocalKVSpec", "collect_model_local_kv_specs", "make_plan", "sample_memory"):
         assert hasattr(kv_budget, name)
+
+
+def test_collector_finds_declarers_set_on_an_instance_or_served_by_getattr():
+    """The fast path asks the class first; an instance attribute and a
+    module whose own __getattr__ serves the method must still be found."""
+    plain = torch.nn.Linear(2, 2)
+    plain.model_local_kv_specs = lambda: [make(name="instance")]
+
+    class Delegating(torch.nn.Module):
+        def __getattr__(self, name):
+            if name == "model_local_kv_specs":
+                return lambda: [make(name="delegated")]
+            return super().__getattr__(name)
+
+    collection = collect_model_local_kv_specs(torch.nn.Sequential(plain, Delegating(), torch.nn.ReLU()))
+    assert sorted((o.owner, o.spec.name) for o in collection.specs) == [("0", "instance"), ("1", "delegated")]
+
+
+def test_fast_owner_walk_keeps_named_modules_paths_order_and_dedup():
+    """The collector's walk must find exactly the declaring modules that
+    named_modules() plus getattr would, at the same paths, in the same order."""
+    from transformers import Qwen2ForCausalLM
+
+    from kv_budget.protocol import _declaring_modules
+
+    shared = Owner([make(name="shared")])
+    tree = torch.nn.ModuleDict({
+        "a": torch.nn.Sequential(torch.nn.ReLU(), shared),
+        "b": shared,
+        "c": torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Identity(), Owner([make(name="deep")]))]),
+    })
+    tree.register_module("empty", None)
+    lm = Qwen2ForCausalLM(Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                      num_hidden_layers=2, intermediate_size=64, vocab_size=64))
+    lm.model.layers[1].self_attn.model_local_kv_specs = lambda: []
+    for root in (tree, lm):
+        slow = [(p, id(m)) for p, m in root.named_modules() if callable(getattr(m, "model_local_kv_specs", None))]
+        assert [(p, id(m)) for p, m in _declaring_modules(root)] == slow
+        assert slow  # the comparison is not vacuous
