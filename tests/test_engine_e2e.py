@@ -107,7 +107,8 @@ def _run_llm(checkpoint: Path, workdir: Path, settings: dict, env: dict | None =
 @pytest.fixture(scope="module")
 def cap_run(checkpoint, tmp_path_factory) -> ServerRun:
     return _serve_and_load(checkpoint, tmp_path_factory.mktemp("cap"),
-                           ["--model-local-kv-policy", "cap", "--model-local-kv-headroom", "96MiB"])
+                           ["--model-local-kv-policy", "cap", "--model-local-kv-headroom", "96MiB",
+                            "--max-num-active-seqs", "200"])
 
 
 def test_cap_answers_all_256_concurrent_requests(cap_run):
@@ -143,6 +144,8 @@ def test_cap_logs_the_plan_table_with_owner_paths_and_figures(cap_run):
     assert "model-local KV fits headroom on rank 0: 90" in log
     assert "effective max_num_seqs = 90" in log
     assert "collect + sample + plan took" in log
+    # max_num_active_seqs (200 here) must stay <= the lowered max_num_seqs.
+    assert "scheduler_config max_num_seqs 256 -> 90; max_num_active_seqs 200 -> 90" in log
 
 
 # --- warn, through LLM(additional_config=...) ---

@@ -134,11 +134,16 @@ def plan_after_kv_caches(core: Any, vllm_config: Any) -> Plan | None:
     if plan.decision is Decision.INFEASIBLE:
         raise ModelLocalKVInfeasibleError(infeasible_message(plan))
     if plan.decision is Decision.CAPPED:
+        applied = [f"max_num_seqs {configured} -> {plan.effective_max_num_seqs}"]
         scheduler_config.max_num_seqs = plan.effective_max_num_seqs
+        # vLLM checks max_num_active_seqs <= max_num_seqs only when the
+        # config is built; keep it true for the Scheduler built next.
         active = getattr(scheduler_config, "max_num_active_seqs", None)
         if active is not None and active > plan.effective_max_num_seqs:
             scheduler_config.max_num_active_seqs = plan.effective_max_num_seqs
+            applied.append(f"max_num_active_seqs {active} -> {plan.effective_max_num_seqs}")
         logger.warning("%s", summary_line(plan))
+        logger.info("kv-budget: scheduler_config %s", "; ".join(applied))
     elif plan.decision is Decision.WARNED:
         logger.warning("%s", summary_line(plan))
     return plan
