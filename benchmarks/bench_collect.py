@@ -26,11 +26,11 @@ import time
 from pathlib import Path
 
 import torch
+from machine import loadavg, machine_info
 
 from kv_budget.planner import Policy, budget_worker, headroom_override, make_plan
 from kv_budget.protocol import ModelLocalKVSpec, collect_model_local_kv_specs
 from kv_budget.units import GiB
-from machine import loadavg, machine_info
 
 HERE = Path(__file__).resolve().parent
 TARGET_MODULES = 100_000

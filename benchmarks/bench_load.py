@@ -35,13 +35,14 @@ import time
 from functools import lru_cache
 from pathlib import Path
 
+from machine import loadavg, machine_info
+
 from kv_budget.demo import STATS_DIR_ENV, read_peak_stats
 from kv_budget.demo_checkpoint import DEFAULT_TALKER, TALKER_KEY, talker_bytes_per_row, write_demo_checkpoint
 from kv_budget.planner import Policy, budget_worker, headroom_override, make_plan
 from kv_budget.protocol import collect_model_local_kv_specs
 from kv_budget.serving import ApiServer, ServerStartError, send_completions
 from kv_budget.units import MiB, parse_byte_size
-from machine import loadavg, machine_info
 
 HERE = Path(__file__).resolve().parent
 FULL_HEADROOMS = "32MiB,64MiB,96MiB,160MiB,320MiB"

@@ -91,9 +91,9 @@ from transformers.cache_utils import (
 from kv_budget.protocol import (
     ModelLocalKVSpec,
     RowDriver,
-    walk_modules,
-    unwrap_model,
     collect_model_local_kv_specs,
+    unwrap_model,
+    walk_modules,
 )
 from kv_budget.units import format_bytes
 

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import sys
 
+import audit_models as am
 import pytest
 import torch
 from hypothesis import given, settings
@@ -24,7 +25,6 @@ from transformers.cache_utils import (
     QuantizedLayer,
 )
 
-import audit_models as am
 from kv_budget.audit import (
     AuditReport,
     UnsupportedCacheError,

@@ -39,7 +39,6 @@ from kv_budget.demo_checkpoint import TALKER_KEY
 from kv_budget.protocol import ModelLocalKVSpec, RowDriver, Scope, spec_from_hf_config
 
 
-
 def sequences_in_step() -> int | None:
     """Sequences in the current forward step, from vLLM's attention
     metadata (``query_start_loc`` has one entry per request plus one). None
