@@ -20,7 +20,7 @@ import pytest
 from kv_budget.demo import STATS_DIR_ENV, read_peak_stats
 from kv_budget.demo_checkpoint import DEFAULT_TALKER, talker_bytes_per_row, write_demo_checkpoint
 from kv_budget.serving import ApiServer, LoadResult, ServerStartError, send_completions
-from kv_budget.units import MiB
+from kv_budget.units import GiB, MiB
 
 pytestmark = pytest.mark.engine
 
@@ -184,12 +184,12 @@ def test_off_leaves_vllm_untouched(off_run):
     assert stats["peak_sequences"] > CAP
 
 
-# --- a declarer that raises ---
+# --- a declarer that raises, with the default (measured) headroom ---
 
 @pytest.fixture(scope="module")
 def raising_run(raising_checkpoint, tmp_path_factory) -> LlmRun:
-    return _run_llm(raising_checkpoint, tmp_path_factory.mktemp("raising"),
-                    {"policy": "cap", "headroom_bytes": "96MiB"}, requests=32, max_tokens=4)
+    return _run_llm(raising_checkpoint, tmp_path_factory.mktemp("raising"), {"policy": "cap"},
+                    requests=32, max_tokens=4)
 
 
 def test_a_raising_declarer_does_not_stop_the_engine_and_is_named(raising_run):
@@ -198,6 +198,19 @@ def test_a_raising_declarer_does_not_stop_the_engine_and_is_named(raising_run):
     (failure,) = raising_run.report["failures"]
     assert failure["owner"] == "talker" and "RuntimeError" in failure["error"]
     assert "FAILED declarer on rank 0: talker" in raising_run.output
+    # Nothing valid was declared, so nothing bounds max_num_seqs.
+    assert raising_run.report["decision"] == "ok" and raising_run.report["safe_max_num_seqs"] is None
+
+
+def test_measured_headroom_on_the_cpu_build_is_system_memory_minus_the_margin(raising_run):
+    """No --model-local-kv-headroom: the worker samples memory after the
+    paged KV pool exists (the default users get)."""
+    (worker,) = raising_run.report["workers"]
+    room = worker["headroom"]
+    assert "psutil" in room["source"] or "cgroup" in room["source"]
+    assert room["margin_bytes"] >= GiB  # the default margin's floor
+    assert room["bytes"] == room["sampled_free_bytes"] - room["margin_bytes"] > 0
+    assert f"free {room['sampled_free_bytes']:,} B minus margin {room['margin_bytes']:,} B" in room["source"]
 
 
 # --- infeasible under cap ---
