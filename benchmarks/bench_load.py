@@ -37,11 +37,11 @@ from pathlib import Path
 
 from machine import loadavg, machine_info
 
-from kv_budget.demo import STATS_DIR_ENV, read_peak_stats
+from kv_budget.demo import DemoServer
 from kv_budget.demo_checkpoint import DEFAULT_TALKER, TALKER_KEY, talker_bytes_per_row, write_demo_checkpoint
 from kv_budget.planner import Policy, budget_worker, headroom_override, make_plan
 from kv_budget.protocol import collect_model_local_kv_specs
-from kv_budget.serving import ApiServer, ServerStartError, send_completions
+from kv_budget.serving import ServerStartError, send_completions
 from kv_budget.units import MiB, parse_byte_size
 
 HERE = Path(__file__).resolve().parent
@@ -83,17 +83,11 @@ class Run:
         self.bench, self.loads = bench, []
         run_dir = bench.out / "runs" / label
         shutil.rmtree(run_dir, ignore_errors=True)
-        self.stats_dir = run_dir / "stats"
-        self.stats_dir.mkdir(parents=True)
-        self.report_path = run_dir / "plan.json"
-        flags = ["--enforce-eager", "--model-local-kv-policy", policy,
-                 "--model-local-kv-report", str(self.report_path)]
+        flags = ["--model-local-kv-policy", policy]
         if headroom is not None:
             flags += ["--model-local-kv-headroom", headroom]
-        self.server = ApiServer(
-            model=bench.checkpoint, log_path=run_dir / "server.log", max_num_seqs=max_num_seqs,
-            extra_args=flags, env={STATS_DIR_ENV: str(self.stats_dir)},
-        )
+        self.run = DemoServer.create(bench.checkpoint, run_dir, flags, max_num_seqs=max_num_seqs)
+        self.server = self.run.server
         self.index = len(bench.runs) + 1
         self.record: dict = {
             "label": label, "policy": policy, "configured_max_num_seqs": max_num_seqs,
@@ -125,8 +119,7 @@ class Run:
         self.server.stop()
         record, loads = self.record, self.loads
         record["loadavg_end"] = loadavg()
-        report = json.loads(self.report_path.read_text()) if self.report_path.exists() else None
-        stats = read_peak_stats(self.stats_dir)
+        report = self.run.report()
         configured = record["configured_max_num_seqs"]
         record["report_written"] = report is not None
         record["startup_seconds"] = self.server.startup_seconds
@@ -144,8 +137,7 @@ class Run:
         record["output_tokens_per_second"] = (
             round(statistics.median(load.output_tokens_per_second for load in loads), 1) if loads else 0.0
         )
-        record["measured_peak_bytes"] = max((s["peak_bytes"] for s in stats.values()), default=0)
-        record["measured_peak_sequences"] = max((s["peak_sequences"] for s in stats.values()), default=0)
+        record["measured_peak_bytes"], record["measured_peak_sequences"] = self.run.peak()
         if report is not None:
             record["decision"] = report["decision"]
             record["effective_max_num_seqs"] = report["effective_max_num_seqs"]

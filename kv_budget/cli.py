@@ -30,7 +30,7 @@ from .planner import (
 from .presets import PRESETS, preset_collection
 from .report import infeasible_message, render_plan_table
 from .specfile import SpecFileError, load_spec_file
-from .units import parse_byte_size
+from .units import byte_size_argument
 
 __all__ = ["main", "EXIT_OK", "EXIT_BAD_INPUT", "EXIT_INFEASIBLE", "EXIT_AUDIT_FAILED"]
 
@@ -44,12 +44,6 @@ EXIT_AUDIT_FAILED = 4
 class _BadInput(Exception):
     """A problem with what the user typed; becomes one line and exit 2."""
 
-
-def _byte_size(text: str) -> int:
-    try:
-        return parse_byte_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def _positive_int(text: str) -> int:
@@ -91,11 +85,11 @@ def _build_parser() -> argparse.ArgumentParser:
     source.add_argument("--list-presets", action="store_true", help="list presets and exit")
     room = plan.add_mutually_exclusive_group()
     room.add_argument(
-        "--headroom-bytes", type=_byte_size,
+        "--headroom-bytes", type=byte_size_argument,
         help="explicit headroom (14GiB, 512MiB or bytes), used as given: no margin is taken off",
     )
     room.add_argument(
-        "--device-memory", type=_byte_size,
+        "--device-memory", type=byte_size_argument,
         help="device size; headroom = what vLLM leaves outside its requested budget, minus the margin",
     )
     plan.add_argument(
@@ -103,7 +97,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="vLLM's gpu_memory_utilization, with --device-memory (default 0.9)",
     )
     plan.add_argument(
-        "--margin-bytes", type=_byte_size,
+        "--margin-bytes", type=byte_size_argument,
         help="safety margin, with --device-memory (default 5%% of the device, at least 1GiB)",
     )
     plan.add_argument("--max-num-seqs", type=_positive_int, default=256, help="configured max_num_seqs (default 256)")

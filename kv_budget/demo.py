@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from .demo_checkpoint import write_demo_checkpoint
@@ -27,7 +28,7 @@ from .report import render_plan_table
 from .serving import ApiServer, ServerStartError, send_completions
 from .units import format_bytes
 
-__all__ = ["CPU_HEADROOM", "STATS_DIR_ENV", "read_peak_stats", "main"]
+__all__ = ["CPU_HEADROOM", "STATS_DIR_ENV", "DemoServer", "read_peak_stats", "main"]
 
 CPU_HEADROOM = "96MiB"
 """Without a GPU the plan uses this explicit headroom: 90 of 256 sequences
@@ -45,6 +46,46 @@ def read_peak_stats(directory: Path) -> dict[int, dict]:
         data = json.loads(path.read_text())
         stats[int(data["rank"])] = data
     return stats
+
+
+@dataclass
+class DemoServer:
+    """An api_server on the demo checkpoint whose plan report and model
+    stats land in one run directory: what ``make demo``, the end-to-end tests
+    and the load benchmark each start, so all three measure the same way."""
+
+    server: ApiServer
+    stats_dir: Path
+    report_path: Path
+
+    @classmethod
+    def create(cls, checkpoint: Path | str, run_dir: Path, flags: list[str], max_num_seqs: int = 256) -> DemoServer:
+        """``flags`` are the plugin flags of this run; the report path, the
+        stats directory (emptied) and ``--enforce-eager`` are added here.
+        Eager because the talker's bookkeeping is Python that must run every
+        step; a full CUDA graph of the step would replay without it."""
+        stats_dir = run_dir / "stats"
+        stats_dir.mkdir(parents=True, exist_ok=True)
+        for old in stats_dir.glob("stats-rank*.json"):
+            old.unlink()
+        report_path = run_dir / "startup-plan.json"
+        report_path.unlink(missing_ok=True)
+        server = ApiServer(
+            model=str(checkpoint), log_path=run_dir / "server.log", max_num_seqs=max_num_seqs,
+            extra_args=["--enforce-eager", "--model-local-kv-report", str(report_path), *flags],
+            env={STATS_DIR_ENV: str(stats_dir)},
+        )
+        return cls(server, stats_dir, report_path)
+
+    def report(self) -> dict | None:
+        """The plugin's startup plan; None when it wrote none (policy off)."""
+        return json.loads(self.report_path.read_text()) if self.report_path.exists() else None
+
+    def peak(self) -> tuple[int, int]:
+        """(bytes, sequences): the most the demo model held at once on any rank."""
+        stats = read_peak_stats(self.stats_dir).values()
+        return (max((s["peak_bytes"] for s in stats), default=0),
+                max((s["peak_sequences"] for s in stats), default=0))
 
 
 def _has_cuda() -> bool:
@@ -65,30 +106,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     out = Path(args.out).resolve()
-    stats_dir = out / "stats"
-    stats_dir.mkdir(parents=True, exist_ok=True)
-    for old in stats_dir.glob("stats-rank*.json"):
-        old.unlink()
-    report_path = out / "startup-plan.json"
-    report_path.unlink(missing_ok=True)
-
     print(f"[demo] writing the demo checkpoint to {out / 'checkpoint'}", flush=True)
     talker = {"positions": args.talker_positions} if args.talker_positions else None
     checkpoint = write_demo_checkpoint(out / "checkpoint", talker)
     headroom = args.headroom or (None if _has_cuda() else CPU_HEADROOM)
-    flags = ["--model-local-kv-policy", "cap", "--model-local-kv-report", str(report_path)]
+    flags = ["--model-local-kv-policy", "cap"]
     if headroom is not None:
         flags += ["--model-local-kv-headroom", headroom]
     else:
         print("[demo] CUDA device found: headroom measured through NVML after startup", flush=True)
-    # The talker's bookkeeping is Python that must run every step; a full
-    # CUDA graph of the step would replay without it.
-    flags.append("--enforce-eager")
-    server = ApiServer(
-        model=str(checkpoint), log_path=out / "server.log", max_num_seqs=args.max_num_seqs,
-        extra_args=flags, env={STATS_DIR_ENV: str(stats_dir)},
-    )
-    print(f"[demo] starting vLLM api_server on {server.url} with: {' '.join(flags)}", flush=True)
+    run = DemoServer.create(checkpoint, out, flags, max_num_seqs=args.max_num_seqs)
+    server = run.server
+    print(f"[demo] starting vLLM api_server on {server.url} with: {' '.join(server.extra_args)}", flush=True)
     try:
         server.start()
     except ServerStartError as exc:
@@ -102,15 +131,13 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.stop()
 
-    plan = Plan.model_validate(json.loads(report_path.read_text()))
-    stats = read_peak_stats(stats_dir)
+    plan = Plan.model_validate(run.report())
     print("\n" + render_plan_table(plan))
     print(f"\n[demo] requests completed: {load.completed} of {load.requests} "
           f"({load.output_tokens} output tokens in {load.seconds:.1f} s, {load.output_tokens_per_second:.0f} tok/s)")
     for error in load.errors:
         print(f"[demo]   {error}")
-    measured = max((s["peak_bytes"] for s in stats.values()), default=0)
-    sequences = max((s["peak_sequences"] for s in stats.values()), default=0)
+    measured, sequences = run.peak()
     print(f"[demo] peak model-local KV measured by the model: {format_bytes(measured)} "
           f"with {sequences} sequences at once")
     print(f"[demo] peak predicted by the plan:                {format_bytes(plan.predicted_peak_bytes)} "

@@ -8,10 +8,11 @@ a typo, not a value to round.
 
 from __future__ import annotations
 
+import argparse
 import re
 from decimal import Decimal, InvalidOperation
 
-__all__ = ["parse_byte_size", "format_bytes", "MiB", "GiB"]
+__all__ = ["parse_byte_size", "byte_size_argument", "format_bytes", "MiB", "GiB"]
 
 KiB = 1024
 MiB = 1024**2
@@ -75,6 +76,15 @@ def parse_byte_size(text: str | int) -> int:
     if value != value.to_integral_value():
         raise ValueError(f"{text!r} is {value} bytes: not a whole number of bytes")
     return int(value)
+
+
+def byte_size_argument(text: str) -> int:
+    """:func:`parse_byte_size` as an argparse ``type=``: a bad size becomes
+    the usual one-line usage error (exit 2), not a traceback."""
+    try:
+        return parse_byte_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def format_bytes(value: int) -> str:

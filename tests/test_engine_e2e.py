@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kv_budget.demo import STATS_DIR_ENV, read_peak_stats
+from kv_budget.demo import DemoServer, read_peak_stats
 from kv_budget.demo_checkpoint import DEFAULT_TALKER, talker_bytes_per_row, write_demo_checkpoint
 from kv_budget.serving import ApiServer, LoadResult, ServerStartError, send_completions
 from kv_budget.units import GiB, MiB
@@ -50,22 +50,15 @@ class ServerRun:
 
 
 def _serve_and_load(checkpoint: Path, workdir: Path, flags: list[str], requests: int = 256) -> ServerRun:
-    stats_dir = workdir / "stats"
-    stats_dir.mkdir(parents=True)
-    report = workdir / "report.json"
-    server = ApiServer(
-        model=str(checkpoint), log_path=workdir / "server.log",
-        extra_args=["--enforce-eager", "--model-local-kv-report", str(report), *flags],
-        env={STATS_DIR_ENV: str(stats_dir)},
-    )
-    with server:
-        load = send_completions(server.url, str(checkpoint), requests=requests)
+    run = DemoServer.create(checkpoint, workdir, flags)
+    with run.server:
+        load = send_completions(run.server.url, str(checkpoint), requests=requests)
     return ServerRun(
         load=load,
-        log=server.log_text(),
-        report=json.loads(report.read_text()) if report.exists() else None,
-        stats=read_peak_stats(stats_dir),
-        startup_seconds=server.startup_seconds,
+        log=run.server.log_text(),
+        report=run.report(),
+        stats=read_peak_stats(run.stats_dir),
+        startup_seconds=run.server.startup_seconds,
     )
 
 

@@ -18,7 +18,7 @@ import argparse
 
 from kv_budget.planner import Policy
 from kv_budget.settings import CONFIG_KEY, DEFAULT_POLICY
-from kv_budget.units import parse_byte_size
+from kv_budget.units import byte_size_argument
 
 PATCH_MARK = "_kv_budget_patch"
 
@@ -30,12 +30,6 @@ _FLAG_TO_KEY = {
 }
 """argparse dest -> key in additional_config["model_local_kv"]."""
 
-
-def _byte_size(text: str) -> int:
-    try:
-        return parse_byte_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def add_flags(parser):
@@ -55,12 +49,12 @@ def add_flags(parser):
         f"warn: log the plan, change nothing; off: do nothing. Default: {DEFAULT_POLICY.value}.",
     )
     group.add_argument(
-        "--model-local-kv-headroom", type=_byte_size, default=argparse.SUPPRESS, metavar="SIZE",
+        "--model-local-kv-headroom", type=byte_size_argument, default=argparse.SUPPRESS, metavar="SIZE",
         help="Headroom per worker for model-local KV (e.g. 14GiB, 512MiB, bytes), used as given. "
         "Default: measured after startup (NVML free memory; system/cgroup memory on CPU) minus the margin.",
     )
     group.add_argument(
-        "--model-local-kv-margin", type=_byte_size, default=argparse.SUPPRESS, metavar="SIZE",
+        "--model-local-kv-margin", type=byte_size_argument, default=argparse.SUPPRESS, metavar="SIZE",
         help="Safety margin taken off a measured headroom. Default: 5%% of the device, at least 1GiB.",
     )
     group.add_argument(
