@@ -482,8 +482,9 @@ def collect_model_local_kv_specs(model: Any) -> Collection:
     """Collect every declaration in a loaded model.
 
     Unwraps runner wrappers, then asks each module of :func:`walk_modules`
-    (``named_modules()`` order, the root included) that has ``model_local_kv_specs``. A declarer that
-    raises, returns a non-sequence, or returns an invalid declaration is
+    (``named_modules()`` order, the root included) that has
+    ``model_local_kv_specs``. A declarer that raises, returns a
+    non-sequence, or returns an invalid declaration is
     logged and recorded in ``failures``: reporting must never break model
     load, and a lost failure would read as "holds nothing".
     """
