@@ -5,6 +5,12 @@ planner, run after vLLM has measured memory and allocated its pool, caps
 ``max_num_seqs`` so that per-request KV cannot exceed device headroom.
 This package is importable and testable without vLLM; everything that
 touches vLLM lives in ``vllm_patches``.
+
+vLLM-Omni's public declaration names (``ModelLocalKVSpec``,
+``ModelLocalKVScope``, ``RowDriver``, ``spec_from_hf_config``,
+``collect_model_local_kv_specs``, ``HasModelLocalKV``) are importable from
+here with its semantics, so a declarer written for vLLM-Omni changes only
+its import line.
 """
 
 from .memory import CpuSampler, MemorySample, MemorySamplingError, NvmlSampler, sample_memory
@@ -25,6 +31,7 @@ from .protocol import (
     DeclarerFailure,
     HasModelLocalKV,
     InvalidDeclarationError,
+    ModelLocalKVScope,
     ModelLocalKVSpec,
     OwnedSpec,
     RowDriver,
@@ -47,6 +54,7 @@ __all__ = [
     "InvalidDeclarationError",
     "MemorySample",
     "MemorySamplingError",
+    "ModelLocalKVScope",
     "ModelLocalKVSpec",
     "NvmlSampler",
     "OwnedSpec",

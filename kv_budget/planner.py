@@ -33,6 +33,7 @@ __all__ = [
     "Decision",
     "Charge",
     "Headroom",
+    "FieldOverride",
     "DeclarationLine",
     "FailureLine",
     "WorkerBudget",
@@ -162,6 +163,15 @@ def headroom_outside_requested(
     )
 
 
+class FieldOverride(BaseModel):
+    """A field an operator corrected: what the model declared, what the plan
+    used."""
+
+    field: str
+    declared: int | str
+    applied: int | str
+
+
 class DeclarationLine(BaseModel):
     """One declaration as it enters the plan, with its figures worked out."""
 
@@ -177,6 +187,8 @@ class DeclarationLine(BaseModel):
     scope: Scope
     rows: RowDriver
     rows_fixed: int | None
+    """The fixed count; None when rows follow max_num_seqs (a declaration's
+    ``rows_fixed`` is ignored there, as vLLM-Omni documents)."""
     rows_reason: str | None
     allocation_note: str | None
     bytes_per_row: int
@@ -185,6 +197,8 @@ class DeclarationLine(BaseModel):
     """Rows at the max_num_seqs the budget was computed for."""
 
     peak_bytes: int
+    overrides: list[FieldOverride] = []
+    """Operator corrections applied to this declaration, in order."""
 
     @classmethod
     def from_owned(cls, owned: OwnedSpec, max_num_seqs: int) -> DeclarationLine:
@@ -195,7 +209,8 @@ class DeclarationLine(BaseModel):
             charge = Charge.FIXED
         else:
             charge = Charge.PER_SEQUENCE
-        rows = spec.rows_at_peak(max_num_seqs)
+        rows = spec.row_count(max_num_seqs)
+        fixed = spec.rows is RowDriver.FIXED
         return cls(
             owner=owned.owner,
             name=spec.name,
@@ -208,13 +223,17 @@ class DeclarationLine(BaseModel):
             capacity_source=spec.capacity_source,
             scope=spec.scope,
             rows=spec.rows,
-            rows_fixed=spec.rows_fixed,
-            rows_reason=spec.rows_reason,
+            rows_fixed=spec.rows_fixed if fixed else None,
+            rows_reason=spec.rows_reason if fixed else None,
             allocation_note=spec.allocation_note,
             bytes_per_row=spec.bytes_per_row,
             charge=charge,
             rows_at_peak=rows,
             peak_bytes=spec.bytes_per_row * rows,
+            overrides=[
+                FieldOverride(field=field, declared=declared, applied=applied)
+                for field, declared, applied in owned.overridden
+            ],
         )
 
 

@@ -9,17 +9,31 @@ them: each one is bounded by something different (a sliding window, a decode
 loop's trip count, an encoder's frame limit, a hard-coded constant) and none
 by ``max_model_len``. So the model declares; kv-budget plans.
 
-A declaration describes one allocation *lifetime*. It never allocates. The
-field names are a compatibility contract with vLLM-Omni, whose declarers use
-the same attribute names: :func:`normalize_spec` accepts any object that has
-them, not only :class:`ModelLocalKVSpec`.
+A declaration describes one allocation *lifetime*. It never allocates.
+
+vLLM-Omni (0.30 and later) ships a declaration module of its own and
+declarers that use it; kv-budget must take their declarations exactly as
+they are made. So the names, field order, defaults and documented semantics
+here are vLLM-Omni's: ``ModelLocalKVSpec``, ``ModelLocalKVScope``,
+``RowDriver``, ``spec_from_hf_config``, ``collect_model_local_kv_specs`` and
+``HasModelLocalKV`` can replace its imports unchanged, and
+:func:`normalize_spec` reads a declaration object of vLLM-Omni's own class (or
+any class with the same attribute names) by the same rules. An earlier
+revision refused ``rows_fixed`` beside ``rows=max_num_seqs``; vLLM-Omni's
+class defaults ``rows_fixed`` to 1 and documents it as ignored there, so
+every per-sequence declaration it makes was refused and the plan ran with
+zero per-sequence bytes. A refusal drops bytes from the plan, so this module
+refuses only what vLLM-Omni refuses too (a fixed count below 1 or without a
+reason) and what makes the byte count impossible to compute (geometry that
+is not a positive int, a dtype that is not a ``torch.dtype``, an unknown
+scope or row driver), and always says why.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol, runtime_checkable
@@ -30,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "Scope",
+    "ModelLocalKVScope",
     "RowDriver",
     "ModelLocalKVSpec",
     "InvalidDeclarationError",
@@ -68,6 +83,11 @@ class Scope(str, Enum):
 
     MODEL = "model"
     """Lives as long as the model, e.g. captured into a CUDA-graph pool."""
+
+
+ModelLocalKVScope = Scope
+"""vLLM-Omni's name for :class:`Scope` (same values), so its declarers can
+import it from here."""
 
 
 class RowDriver(str, Enum):
@@ -111,13 +131,14 @@ def _enum_value(enum_cls: type[Enum], value: Any) -> Enum | None:
     return None
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class ModelLocalKVSpec:
     """One allocation of model-local attention KV, described, not allocated.
 
-    Keyword-only: eight integer-ish fields in a row are too easy to pass in
-    the wrong order, and a swapped ``kv_heads``/``head_dim`` gives the same
-    product while lying about the geometry.
+    Fields in vLLM-Omni's order, positional or keyword, with its defaults: a
+    declarer written against vLLM-Omni's class must build this one unchanged.
+    Write them as keywords anyway: a swapped ``kv_heads``/``head_dim`` gives
+    the same product while lying about the geometry.
     """
 
     name: str
@@ -138,15 +159,22 @@ class ModelLocalKVSpec:
 
     capacity_source: str
     """Where the bound comes from, for humans ("sliding_window - 1"). Never
-    branched on: it exists so a reviewer can check the number."""
+    branched on: it exists so a reviewer can check the number. Any string,
+    empty included, as in vLLM-Omni: refusing a declaration over its
+    commentary would drop its bytes from the plan."""
 
     scope: Scope
     rows: RowDriver
-    rows_fixed: int | None = None
-    """The row count when ``rows`` is fixed. A fixed count with no reason was
-    the commonest way a declaration went stale, so both are required."""
+    rows_fixed: int = 1
+    """The row count when ``rows`` is fixed; ignored when it is
+    ``max_num_seqs`` (vLLM-Omni's default and documented meaning: every
+    per-sequence declaration it makes carries ``rows_fixed=1``)."""
 
-    rows_reason: str | None = None
+    rows_reason: str = ""
+    """Why ``rows_fixed`` is that number; required when ``rows`` is fixed. A
+    fixed count with no reason was the commonest way a declaration went
+    stale. Ignored when ``rows`` is ``max_num_seqs``."""
+
     allocation_note: str | None = None
     """Optional free text on layout (e.g. "one cache per captured bucket")."""
 
@@ -163,12 +191,8 @@ class ModelLocalKVSpec:
                 fail(field, value, "expected an int >= 1")
         if not isinstance(self.dtype, torch.dtype):
             fail("dtype", self.dtype, "expected a torch.dtype such as torch.bfloat16")
-        if not isinstance(self.capacity_source, str) or not self.capacity_source.strip():
-            fail(
-                "capacity_source",
-                self.capacity_source,
-                "expected a non-empty string saying where the bound comes from",
-            )
+        if not isinstance(self.capacity_source, str):
+            fail("capacity_source", self.capacity_source, "expected a string saying where the bound comes from")
         scope = _enum_value(Scope, self.scope)
         if scope is None:
             fail("scope", self.scope, f"expected one of {[s.value for s in Scope]}")
@@ -183,13 +207,6 @@ class ModelLocalKVSpec:
                 fail("rows_fixed", count, "rows='fixed' needs an int count >= 1")
             if not isinstance(self.rows_reason, str) or not self.rows_reason.strip():
                 fail("rows_reason", self.rows_reason, "rows='fixed' needs a reason for the count")
-        elif self.rows_fixed is not None:
-            fail(
-                "rows_fixed",
-                self.rows_fixed,
-                "rows='max_num_seqs' takes its count from the engine; a fixed count "
-                "beside it contradicts it",
-            )
         if self.allocation_note is not None and not isinstance(self.allocation_note, str):
             fail("allocation_note", self.allocation_note, "expected a string or None")
 
@@ -214,22 +231,24 @@ class ModelLocalKVSpec:
             * self.dtype_bytes
         )
 
-    def rows_at_peak(self, max_num_seqs: int) -> int:
-        """Rows alive at peak: the fixed count, or the engine's ``max_num_seqs``."""
+    def row_count(self, max_num_seqs: int = 1) -> int:
+        """Rows alive at peak: the fixed count, or the engine's
+        ``max_num_seqs`` (at least 1, as vLLM-Omni counts it)."""
         if self.rows is RowDriver.FIXED:
-            assert self.rows_fixed is not None
             return self.rows_fixed
-        return max_num_seqs
+        return max(1, max_num_seqs)
 
-    def peak_bytes(self, max_num_seqs: int) -> int:
-        return self.bytes_per_row * self.rows_at_peak(max_num_seqs)
+    def peak_bytes(self, max_num_seqs: int = 1) -> int:
+        """Bytes at peak once the engine's ``max_num_seqs`` is known."""
+        return self.bytes_per_row * self.row_count(max_num_seqs)
 
 
 SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(ModelLocalKVSpec))
 """The contract's attribute names, in declaration order."""
 
 OPTIONAL_SPEC_FIELDS = frozenset({"rows_fixed", "rows_reason", "allocation_note"})
-"""Fields a declaration may leave out; every other one is required."""
+"""Fields a declaration may leave out (they have vLLM-Omni's defaults);
+every other one is required."""
 
 
 def normalize_spec(obj: Any) -> ModelLocalKVSpec:
@@ -237,7 +256,10 @@ def normalize_spec(obj: Any) -> ModelLocalKVSpec:
     into a validated :class:`ModelLocalKVSpec`.
 
     vLLM-Omni ships declarers whose objects are not ours; they must be taken
-    as they are. A missing required attribute is an error, not a default.
+    as they are, by vLLM-Omni's rules (see the module docstring): an optional
+    field that is absent gets vLLM-Omni's default, ``rows_fixed`` and
+    ``rows_reason`` beside ``rows=max_num_seqs`` are ignored. A missing
+    required attribute is an error, not a default.
     """
     if isinstance(obj, ModelLocalKVSpec):
         return obj
@@ -301,32 +323,33 @@ def _lookup(config: Any, names: Iterable[str], stack: str) -> tuple[str, int] | 
     return None
 
 
-def spec_from_hf_config(
-    config: Any,
-    *,
-    name: str,
-    dtype: torch.dtype,
-    physical_capacity_positions: int,
-    capacity_source: str,
-    scope: Scope | str,
-    rows: RowDriver | str,
-    rows_fixed: int | None = None,
-    rows_reason: str | None = None,
-    allocation_note: str | None = None,
-    stack: str = "decoder",
-) -> ModelLocalKVSpec:
-    """Build a declaration from the same Hugging Face config the cache is
-    built from, so the two cannot drift apart.
+_STACK_LAYER_NAMES = {
+    "decoder": ("decoder_layers", "num_decoder_layers"),
+    "encoder": _LOOKUP_NAMES["encoder"]["layers"],
+}
+"""Layer counts only a stack of that kind has: a config with both is an
+encoder-decoder config, whose generic names could mean either stack."""
 
-    ``rows`` is keyword-required: the multiplicity is the part most often
-    wrong, and a default would hide that nobody thought about it. Geometry is
-    looked up under the usual attribute names of the ``stack`` ("decoder" or
-    "encoder"). ``head_dim`` is the config's own when it has one, else
-    hidden / heads, which must divide exactly. With no key/value head count
-    in the config, attention is multi-head (kv heads == heads), except that
-    ``multi_query=True`` means one. Anything not found raises, naming every
-    attribute tried.
-    """
+
+def _pick_stack(config: Any, name: str) -> str:
+    """The stack to read when the caller named none: the decoder, unless
+    the config has only an encoder. A config with both is refused: vLLM-Omni's
+    own helper would read the encoder there (Whisper aliases the generic
+    names to it) and a decoder-first lookup the decoder, and which one a
+    declarer meant cannot be known."""
+    has = {
+        stack: _lookup(config, names, stack) is not None for stack, names in _STACK_LAYER_NAMES.items()
+    }
+    if has["decoder"] and has["encoder"]:
+        raise ValueError(
+            f"spec_from_hf_config({name!r}): {type(config).__name__} has an encoder and a decoder "
+            "stack; pass stack='encoder' or stack='decoder' (or layers, kv_heads and head_dim)"
+        )
+    return "encoder" if has["encoder"] else "decoder"
+
+
+def _geometry_from_config(config: Any, name: str, stack: str) -> tuple[int, int, int]:
+    """(layers, kv_heads, head_dim) looked up in ``config`` for ``stack``."""
     if stack not in _LOOKUP_NAMES:
         raise ValueError(f"stack {stack!r} is not one of {sorted(_LOOKUP_NAMES)}")
     names = _LOOKUP_NAMES[stack]
@@ -359,6 +382,47 @@ def spec_from_hf_config(
                 f"divisible by {heads} heads and the config has no head_dim"
             )
         head_dim = hidden // heads
+    return layers, kv_heads, head_dim
+
+
+def spec_from_hf_config(
+    config: Any,
+    *,
+    name: str,
+    physical_capacity_positions: int,
+    capacity_source: str,
+    scope: Scope | str,
+    dtype: torch.dtype,
+    rows: RowDriver | str,
+    rows_fixed: int = 1,
+    rows_reason: str = "",
+    allocation_note: str | None = None,
+    layers: int | None = None,
+    kv_heads: int | None = None,
+    head_dim: int | None = None,
+    stack: str | None = None,
+) -> ModelLocalKVSpec:
+    """Build a declaration from the same Hugging Face config the cache is
+    built from, so the two cannot drift apart.
+
+    vLLM-Omni's signature, plus ``stack``. ``rows`` is keyword-required: the
+    multiplicity is the part most often wrong, and a default would hide that
+    nobody thought about it. ``layers``, ``kv_heads`` and ``head_dim``, when
+    given, are used as given (a declarer may know the built module better
+    than the config); the others are looked up under the usual attribute
+    names of the ``stack`` ("decoder" or "encoder"; by default the decoder,
+    or the encoder of an encoder-only config, and refused for a config that
+    has both). ``head_dim`` is the config's own when it has one, else
+    hidden / heads, which must divide exactly. With no key/value head count
+    in the config, attention is multi-head (kv heads == heads), except that
+    ``multi_query=True`` means one. Anything not found raises, naming every
+    attribute tried.
+    """
+    if layers is None or kv_heads is None or head_dim is None:
+        found = _geometry_from_config(config, name, stack or _pick_stack(config, name))
+        layers = found[0] if layers is None else layers
+        kv_heads = found[1] if kv_heads is None else kv_heads
+        head_dim = found[2] if head_dim is None else head_dim
     return ModelLocalKVSpec(
         name=name,
         layers=layers,
@@ -382,6 +446,9 @@ class OwnedSpec:
 
     owner: str
     spec: ModelLocalKVSpec
+    overridden: tuple[tuple[str, Any, Any], ...] = ()
+    """(field, declared value, applied value) for each field an operator
+    corrected (:mod:`kv_budget.overrides`), so a report shows both."""
 
 
 @dataclass(frozen=True)
@@ -396,10 +463,21 @@ class DeclarerFailure:
 
 @dataclass(frozen=True)
 class Collection:
-    """What the collector found: valid declarations and named failures."""
+    """What the collector found: valid declarations and named failures.
+
+    Iterates as ``(owner, spec)`` pairs, which is what vLLM-Omni's collector
+    returns, so code written against it (``for path, spec in
+    collect_model_local_kv_specs(model)``) runs unchanged; the failures,
+    which vLLM-Omni only logs, stay available here."""
 
     specs: tuple[OwnedSpec, ...]
     failures: tuple[DeclarerFailure, ...]
+
+    def __iter__(self) -> Iterator[tuple[str, ModelLocalKVSpec]]:
+        return ((owned.owner, owned.spec) for owned in self.specs)
+
+    def __len__(self) -> int:
+        return len(self.specs)
 
 
 def unwrap_model(model: Any) -> Any:

@@ -9,6 +9,7 @@ effective value is shown as their minimum.
 from __future__ import annotations
 
 from .planner import Charge, Decision, Plan
+from .protocol import RowDriver
 from .units import format_bytes
 
 __all__ = ["render_plan_table", "infeasible_message", "summary_line"]
@@ -31,7 +32,7 @@ def render_plan_table(plan: Plan) -> str:
     for d in plan.declarations:
         rows = (
             f"fixed {d.rows_fixed} ({d.rows_reason})"
-            if d.rows_fixed is not None
+            if d.rows is RowDriver.FIXED
             else f"max_num_seqs = {d.rows_at_peak}"
         )
         lines.append(
@@ -40,6 +41,8 @@ def render_plan_table(plan: Plan) -> str:
             f"({d.capacity_source}) x {d.dtype_bytes} B {d.dtype} = {format_bytes(d.bytes_per_row)} per row; "
             f"scope {d.scope.value}, rows {rows} -> {format_bytes(d.peak_bytes)} [{d.charge.value}]"
         )
+        for o in d.overrides:
+            lines.append(f"      overridden by the operator: {o.field} declared {o.declared} -> applied {o.applied}")
     for f in plan.failures:
         lines.append(f"    FAILED declarer on rank {f.rank}: {_owner_label(f.owner)}: {f.error}")
     lines += [

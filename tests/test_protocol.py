@@ -61,8 +61,8 @@ def test_bytes_per_row_is_k_and_v_times_geometry():
         ("physical_capacity_positions", 0),
         ("dtype", "bfloat16"),
         ("dtype", None),
-        ("capacity_source", ""),
         ("capacity_source", None),
+        ("capacity_source", 7),
         ("scope", "global"),
         ("scope", "REQUEST"),
         ("scope", 1),
@@ -84,12 +84,10 @@ def test_invalid_field_raises_naming_field_value_and_declaration(field, value):
 @pytest.mark.parametrize(
     "overrides, field",
     [
-        (dict(rows=RowDriver.FIXED, rows_reason="why"), "rows_fixed"),
         (dict(rows=RowDriver.FIXED, rows_fixed=0, rows_reason="why"), "rows_fixed"),
         (dict(rows=RowDriver.FIXED, rows_fixed=True, rows_reason="why"), "rows_fixed"),
         (dict(rows=RowDriver.FIXED, rows_fixed=2), "rows_reason"),
         (dict(rows=RowDriver.FIXED, rows_fixed=2, rows_reason="  "), "rows_reason"),
-        (dict(rows=RowDriver.MAX_NUM_SEQS, rows_fixed=2), "rows_fixed"),
     ],
 )
 def test_fixed_rows_need_a_count_and_a_reason(overrides, field):
@@ -97,9 +95,23 @@ def test_fixed_rows_need_a_count_and_a_reason(overrides, field):
         make(**overrides)
 
 
-def test_fields_are_keyword_only():
-    with pytest.raises(TypeError):
-        ModelLocalKVSpec("kv", 2, 2, 4)  # type: ignore[misc]
+def test_fixed_count_defaults_to_one_as_in_vllm_omni():
+    spec = make(rows=RowDriver.FIXED, rows_reason="one session")
+    assert spec.row_count(256) == 1
+
+
+@pytest.mark.parametrize("rows_fixed", [1, 0, 7, None])
+def test_rows_fixed_beside_max_num_seqs_is_ignored(rows_fixed):
+    """vLLM-Omni documents ``rows_fixed`` as ignored unless rows are fixed,
+    and every per-sequence declaration it makes carries its default 1."""
+    spec = make(rows=RowDriver.MAX_NUM_SEQS, rows_fixed=rows_fixed, rows_reason="")
+    assert spec.row_count(256) == 256
+    assert spec.peak_bytes(256) == spec.bytes_per_row * 256
+
+
+def test_positional_construction_in_vllm_omnis_field_order():
+    spec = ModelLocalKVSpec("kv", 2, 2, 4, torch.float16, 8, "test bound", "request", "max_num_seqs")
+    assert spec == make()
 
 
 def test_string_and_foreign_enum_values_are_normalised():
@@ -111,29 +123,15 @@ def test_string_and_foreign_enum_values_are_normalised():
     assert spec.rows is RowDriver.FIXED
 
 
-def test_foreign_declaration_objects_are_accepted_as_is():
-    """vLLM-Omni's declarers return objects of their own class with the same
-    attribute names; they are normalised, not rejected."""
-
-    @dataclasses.dataclass
-    class OmniSpec:
-        name: str
-        layers: int
-        kv_heads: int
-        head_dim: int
-        dtype: torch.dtype
-        physical_capacity_positions: int
-        capacity_source: str
-        scope: str
-        rows: str
-        rows_fixed: int | None = None
-        rows_reason: str | None = None
-
-    foreign = OmniSpec(**{**VALID, "scope": "request", "rows": "max_num_seqs"})
+def test_foreign_declaration_objects_are_normalised():
+    """Any object with the contract's attribute names is read (vLLM-Omni's
+    own class is tested in test_omni_declarations.py); absent optional
+    fields take vLLM-Omni's defaults."""
+    foreign = types.SimpleNamespace(**{**VALID, "scope": "request", "rows": "max_num_seqs"})
     spec = normalize_spec(foreign)
     assert isinstance(spec, ModelLocalKVSpec)
     assert spec.bytes_per_row == make().bytes_per_row
-    assert spec.allocation_note is None
+    assert (spec.rows_fixed, spec.rows_reason, spec.allocation_note) == (1, "", None)
 
 
 def test_foreign_declaration_missing_a_field_is_refused():
