@@ -33,8 +33,14 @@ Where caches are found
     lists, tuples and dicts up to two levels (a dict of sessions, a dict of
     lists). A cache held by several owners is attributed once: to the single
     holder that declares something if exactly one does, else to the first
-    holder in walk order. A storage is counted once per report, for the first
-    owner that reaches it.
+    holder in walk order. A cache whose holders all declare nothing goes to
+    the single declaring module below its first holder, when there is exactly
+    one: vLLM-Omni's Qwen3-TTS stage model keeps each request's decoder state
+    (caches included) in a dict of its own while its ``decoder`` child
+    declares them, and attributing by holder alone reported one cache twice,
+    the stage model "undeclared" and the decoder "declared-but-absent". With
+    no declaring module below, or several, the cache stays with its holder.
+    A storage is counted once per report, for the first owner that reaches it.
 
 The row-count rule (how declared bytes are computed "now")
     Declared bytes at the current rows = sum over the owner's declarations of
@@ -184,6 +190,9 @@ class CacheEntry(BaseModel):
 
     attribute: str
     """Top-level attribute name; the unit the row-count rule works on."""
+    held_by: str
+    """Module path of the holder; differs from the owner when the cache was
+    attributed to a declaring module below it (see the module docstring)."""
     path: str
     """Where exactly it was found, e.g. ``sessions['a']`` or ``caches[0]``."""
     cache_class: str
@@ -283,8 +292,9 @@ class AuditReport(BaseModel):
                 )
             for c in o.caches:
                 rows = "?" if c.rows is None else str(c.rows)
+                via = "" if c.held_by == o.owner else f" (held by {c.held_by or '<root>'})"
                 lines.append(
-                    f"    holds {c.path} ({c.cache_class}, {rows} rows, {len(c.layers)} layers): "
+                    f"    holds {c.path}{via} ({c.cache_class}, {rows} rows, {len(c.layers)} layers): "
                     f"{format_bytes(c.bytes)}"
                 )
         for f in self.failures:
@@ -528,6 +538,13 @@ def _held_caches(owner: Any) -> list[tuple[str, str, Cache]]:
     return found
 
 
+def _is_below(path: str, ancestor: str) -> bool:
+    """Whether module ``path`` is a strict descendant of ``ancestor`` ("" is the root)."""
+    if path == ancestor:
+        return False
+    return ancestor == "" or path.startswith(ancestor + ".")
+
+
 def _verdict(has_specs: bool, has_caches: bool, declared: int, measured: int) -> Verdict:
     if not has_caches:
         return "declared-but-absent"
@@ -588,19 +605,29 @@ def audit_module(module: Any, max_num_seqs: int | None = None) -> AuditReport:
     assigned: dict[int, str] = {}
     for cache_id, paths in holders.items():
         declaring = [p for p in paths if p in specs_by_owner]
+        if not declaring:
+            declaring = [p for p in specs_by_owner if _is_below(p, paths[0])]
         assigned[cache_id] = declaring[0] if len(declaring) == 1 else paths[0]
+    # Each cache once, seen from the owner itself when it holds the cache,
+    # else from its first holder.
+    caches_of: dict[str, list[tuple[str, str, str, Cache]]] = {}
+    for holder, _ in owners:
+        for attr, label, cache in held[holder]:
+            owner = assigned[id(cache)]
+            seen_from = owner if owner in holders[id(cache)] else holders[id(cache)][0]
+            if holder == seen_from:
+                caches_of.setdefault(owner, []).append((holder, attr, label, cache))
 
     seen: set[tuple[str, int | None, int]] = set()
     entries: list[OwnerAudit] = []
     for path, _ in owners:
         caches: list[CacheEntry] = []
-        for attr, label, cache in held[path]:
-            if assigned[id(cache)] != path:
-                continue
+        for holder, attr, label, cache in caches_of.get(path, []):
             layers = _breakdown(cache, seen)
             caches.append(
                 CacheEntry(
                     attribute=attr,
+                    held_by=holder,
                     path=label,
                     cache_class=type(cache).__name__,
                     rows=_cache_rows(layers),

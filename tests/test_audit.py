@@ -398,6 +398,34 @@ def test_sessions_in_a_dict_are_sequences_and_a_fixed_pool_is_not(small_lm):
     assert "pool[4]" in {c.path for c in entry.caches}
 
 
+def test_state_held_by_a_parent_for_its_declaring_child_is_audited_as_the_childs(small_lm):
+    """vLLM-Omni's Qwen3-TTS stage keeps per-request decoder state (caches
+    included) in a dict of its own; its ``decoder`` child declares them.
+    One owner, one verdict, the holder named; never "undeclared" on the
+    parent and "declared-but-absent" on the child for the same cache."""
+    positions = 3 + 2 - 1
+    stage = torch.nn.Module()
+    stage.decoder = am.Declarer([per_seq_spec(small_lm.config, positions, "codec_cache")])
+    stage.state = {
+        request: {"cache": am.generate_into(small_lm, DynamicCache(), batch=1, prompt=3, new_tokens=2), "frames": 3}
+        for request in ("req-0", "req-1")
+    }
+    (entry,) = audit_module(stage).owners
+    assert (entry.owner, entry.verdict, entry.live_sequences) == ("decoder", "match", 2)
+    assert entry.measured_bytes == entry.declared_bytes == small_bytes(2, positions)
+    assert {c.held_by for c in entry.caches} == {""}
+    assert "(held by <root>)" in audit_module(stage).render_table()
+
+    stage.decoder.declared = []  # a path that declares nothing: the holder's caches are undeclared
+    (entry,) = audit_module(stage).owners
+    assert (entry.owner, entry.verdict, entry.measured_bytes) == ("", "undeclared", small_bytes(2, positions))
+
+    stage.decoder.declared = [per_seq_spec(small_lm.config, positions, "codec_cache")]
+    stage.other = am.Declarer([per_seq_spec(small_lm.config, positions, "other_cache")])
+    owners = {o.owner: o.verdict for o in audit_module(stage).owners}
+    assert owners == {"": "undeclared", "decoder": "declared-but-absent", "other": "declared-but-absent"}
+
+
 def test_explicit_max_num_seqs_is_charged_instead_of_measured_rows(small_lm):
     cache = am.generate_into(small_lm, DynamicCache(), batch=2, prompt=3, new_tokens=2)
     owner = am.Declarer([per_seq_spec(small_lm.config, 4)])
