@@ -19,6 +19,13 @@ import os
 import sys
 from collections.abc import Sequence
 
+from .overrides import (
+    OverrideError,
+    apply_overrides,
+    declaration_label,
+    parse_overrides,
+    unmatched_message,
+)
 from .planner import (
     Decision,
     Policy,
@@ -28,6 +35,7 @@ from .planner import (
     make_plan,
 )
 from .presets import PRESETS, preset_collection
+from .protocol import Collection
 from .report import infeasible_message, render_plan_table
 from .specfile import SpecFileError, load_spec_file
 from .units import byte_size_argument
@@ -100,6 +108,11 @@ def _build_parser() -> argparse.ArgumentParser:
         "--margin-bytes", type=byte_size_argument,
         help="safety margin, with --device-memory (default 5%% of the device, at least 1GiB)",
     )
+    plan.add_argument(
+        "--override", action="append", default=[], metavar="OWNER/NAME:FIELD=VALUE",
+        help="correct one field of one declaration before planning (repeatable, applied in order), "
+        "e.g. decoder/codec_decoder_request:physical_capacity_positions=72",
+    )
     plan.add_argument("--max-num-seqs", type=_positive_int, default=256, help="configured max_num_seqs (default 256)")
     plan.add_argument("--policy", choices=[p.value for p in Policy], default=Policy.CAP.value,
                       help="cap (default), warn, or off (reports like warn)")
@@ -138,6 +151,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         collection = load_spec_file(args.spec_file) if args.spec_file else preset_collection(args.preset)
     except SpecFileError as exc:
         raise _BadInput(str(exc)) from None
+    collection = _with_overrides(collection, args.override)
     if args.headroom_bytes is not None:
         headroom = headroom_override(args.headroom_bytes, "--headroom-bytes (operator override)")
     else:
@@ -152,6 +166,19 @@ def _run_plan(args: argparse.Namespace) -> int:
         print(f"kv-budget: {infeasible_message(plan)}", file=sys.stderr)
         return EXIT_INFEASIBLE
     return EXIT_OK
+
+
+def _with_overrides(collection: Collection, texts: list[str]) -> Collection:
+    """The declarations corrected by ``--override``; one that matches none
+    is bad input naming the declarations that exist."""
+    try:
+        corrected, unmatched = apply_overrides(collection, parse_overrides(texts))
+    except OverrideError as exc:
+        raise _BadInput(str(exc)) from None
+    if unmatched:
+        labels = [declaration_label(owned.owner, owned.spec.name) for owned in collection.specs]
+        raise _BadInput(unmatched_message(unmatched, labels))
+    return corrected
 
 
 def _run_audit(args: argparse.Namespace) -> int:

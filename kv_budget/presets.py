@@ -1,9 +1,17 @@
 """Published declarations of real models, for sizing before a server starts.
 
-The geometries reproduce the per-row bytes vLLM-Omni's declarers report.
-Where the published figure gives only bytes per row, the geometry here is
-one consistent with it (the product, not each factor, is what the planner
-uses); each preset says which.
+Each preset is what vLLM-Omni 0.30.0's declarer makes for that model: the
+same owner path (as the collector reports it inside the stage model) and
+declaration names, so an override written for a running server
+(``--model-local-kv-override OWNER/NAME:FIELD=VALUE``) works on
+``kv-budget plan --preset ... --override`` unchanged. The geometries
+reproduce the per-row bytes of the published figures; where a figure gives
+only bytes per row, the geometry here is one consistent with it (the
+product, not each factor, is what the planner uses), and each preset says
+which. Where vLLM-Omni's declaration holds less than its caches do, the
+preset keeps the declared figure (it is what a server plans with) and its
+docstring gives the correcting override (docs/vllm-omni.md has the
+measurements).
 """
 
 from __future__ import annotations
@@ -28,16 +36,16 @@ def _qwen3_tts_async_chunk() -> list[OwnedSpec]:
     multi-token chunks (docs/semantics.md)."""
     geometry = dict(layers=8, kv_heads=16, head_dim=64, dtype=torch.float32,
                     physical_capacity_positions=71, capacity_source="sliding_window - 1")
-    owner = "code2wav.decoder"
+    owner = "decoder"
     return [
         OwnedSpec(owner, ModelLocalKVSpec(
-            name="decoder_kv", scope=Scope.REQUEST, rows=RowDriver.MAX_NUM_SEQS,
+            name="codec_decoder_request", scope=Scope.REQUEST, rows=RowDriver.MAX_NUM_SEQS,
             allocation_note="retained per request between chunks", **geometry)),
         OwnedSpec(owner, ModelLocalKVSpec(
-            name="decoder_kv_working_copy", scope=Scope.INVOCATION, rows=RowDriver.MAX_NUM_SEQS,
+            name="codec_decoder_working_copy", scope=Scope.INVOCATION, rows=RowDriver.MAX_NUM_SEQS,
             allocation_note="per-call copy of the retained cache", **geometry)),
-        OwnedSpec(f"{owner}.cudagraph_wrapper", ModelLocalKVSpec(
-            name="graph_pool_kv", scope=Scope.MODEL, rows=RowDriver.FIXED, rows_fixed=5,
+        OwnedSpec(owner, ModelLocalKVSpec(
+            name="codec_decoder_graph_pool", scope=Scope.MODEL, rows=RowDriver.FIXED, rows_fixed=5,
             rows_reason="one dummy cache per captured shape; 5 rows measured", **geometry)),
     ]
 
@@ -50,10 +58,10 @@ def _mimo_audio() -> list[OwnedSpec]:
                     physical_capacity_positions=11,
                     capacity_source="group_size + max(delay_pattern)")
     return [
-        OwnedSpec("local_transformer", ModelLocalKVSpec(
-            name="local_kv", scope=Scope.INVOCATION, rows=RowDriver.MAX_NUM_SEQS, **geometry)),
-        OwnedSpec("local_transformer.cudagraph_pool", ModelLocalKVSpec(
-            name="graph_pool_kv", scope=Scope.MODEL, rows=RowDriver.FIXED, rows_fixed=261,
+        OwnedSpec("fused_thinker_talker", ModelLocalKVSpec(
+            name="local_transformer", scope=Scope.INVOCATION, rows=RowDriver.MAX_NUM_SEQS, **geometry)),
+        OwnedSpec("fused_thinker_talker", ModelLocalKVSpec(
+            name="local_transformer_graph_pool", scope=Scope.MODEL, rows=RowDriver.FIXED, rows_fixed=261,
             rows_reason="sum of captured buckets 1,2,4,6,8,16,32,64,128", **geometry)),
     ]
 
@@ -63,8 +71,8 @@ def _minicpm_o_streaming() -> list[OwnedSpec]:
     rows. Published: 147,456,000 B per row; geometry 24 layers x 16 heads x
     head_dim 64 in bfloat16 (Whisper-medium's encoder) reproduces it."""
     return [
-        OwnedSpec("apm", ModelLocalKVSpec(
-            name="whisper_encoder_kv", layers=24, kv_heads=16, head_dim=64, dtype=torch.bfloat16,
+        OwnedSpec("thinker.apm", ModelLocalKVSpec(
+            name="whisper_encoder_self_attn", layers=24, kv_heads=16, head_dim=64, dtype=torch.bfloat16,
             physical_capacity_positions=1500, capacity_source="embed_positions rows",
             scope=Scope.SESSION, rows=RowDriver.FIXED, rows_fixed=1,
             rows_reason="one streaming session at a time")),
@@ -76,8 +84,8 @@ def _ming_talker() -> list[OwnedSpec]:
     24 layers x 2 kv heads x head_dim 64 (hidden 896 / 14 heads) in bfloat16
     = 25,165,824 B."""
     return [
-        OwnedSpec("talker", ModelLocalKVSpec(
-            name="talker_static_kv", layers=24, kv_heads=2, head_dim=64, dtype=torch.bfloat16,
+        OwnedSpec("", ModelLocalKVSpec(
+            name="talker_llm_static_cache", layers=24, kv_heads=2, head_dim=64, dtype=torch.bfloat16,
             physical_capacity_positions=2048, capacity_source="hard-coded static cache length",
             scope=Scope.INVOCATION, rows=RowDriver.FIXED, rows_fixed=1,
             rows_reason="talker calls are serialized")),

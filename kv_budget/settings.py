@@ -16,6 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from .overrides import OverrideError, parse_overrides
 from .planner import Policy
 from .units import parse_byte_size
 
@@ -42,8 +43,13 @@ class ModelLocalKVSettings(BaseModel):
     report_path: str | None = None
     """Where to write the startup plan as JSON; None: no file."""
 
+    overrides: tuple[str, ...] = ()
+    """Operator corrections ``OWNER/NAME:FIELD=VALUE`` (:mod:`kv_budget.overrides`),
+    applied in order before planning. Kept as text: it crosses process
+    boundaries inside ``additional_config``, which must stay JSON."""
 
-_KNOWN = ("policy", "headroom_bytes", "margin_bytes", "report_path")
+
+_KNOWN = ("policy", "headroom_bytes", "margin_bytes", "report_path", "overrides")
 
 
 def _where(key: str) -> str:
@@ -82,4 +88,15 @@ def settings_from_additional_config(additional_config: Any) -> ModelLocalKVSetti
         if not isinstance(raw["report_path"], str) or not raw["report_path"]:
             raise ValueError(f"{_where('report_path')} = {raw['report_path']!r} is invalid: expected a file path")
         values["report_path"] = raw["report_path"]
+    if raw.get("overrides") is not None:
+        texts = raw["overrides"]
+        if not isinstance(texts, (list, tuple)):
+            raise ValueError(
+                f"{_where('overrides')} = {texts!r} is invalid: expected a list of OWNER/NAME:FIELD=VALUE strings"
+            )
+        try:
+            parse_overrides(texts)
+        except OverrideError as exc:
+            raise ValueError(f"{_where('overrides')}: {exc}") from None
+        values["overrides"] = tuple(texts)
     return ModelLocalKVSettings(**values)

@@ -65,7 +65,7 @@ def test_infeasible_under_cap_exits_3_with_one_line():
     assert result.returncode == EXIT_INFEASIBLE
     assert "Traceback" not in result.stderr
     assert "147,456,000 B" in result.stderr and "104,857,600 B" in result.stderr
-    assert "apm/whisper_encoder_kv" in result.stderr
+    assert "thinker.apm/whisper_encoder_self_attn" in result.stderr
 
 
 def test_table_output_names_figures_and_sources():
@@ -190,3 +190,28 @@ def test_audit_bad_targets_exit_2(target, expected):
     result = run("audit", target)
     assert result.returncode == EXIT_BAD_INPUT
     assert expected in result.stderr and "Traceback" not in result.stderr
+
+
+def test_override_corrects_a_preset_and_the_plan_shows_both_values():
+    result, plan = plan_json("--preset", "qwen3-tts-async-chunk", "--headroom-bytes", "1GiB",
+                             "--override", "decoder/codec_decoder_request:physical_capacity_positions=72")
+    assert result.returncode == EXIT_OK, result.stderr
+    row_72 = 2 * 8 * 16 * 64 * 72 * 4
+    assert plan["per_seq_bytes"] == row_72 + 4_653_056
+    assert plan["effective_max_num_seqs"] == GiB // (row_72 + 4_653_056)
+    (request,) = [d for d in plan["declarations"] if d["name"] == "codec_decoder_request"]
+    assert request["overrides"] == [{"field": "physical_capacity_positions", "declared": 71, "applied": 72}]
+    table = run("plan", "--preset", "qwen3-tts-async-chunk", "--headroom-bytes", "1GiB",
+                "--override", "decoder/codec_decoder_request:physical_capacity_positions=72").stdout
+    assert "overridden by the operator: physical_capacity_positions declared 71 -> applied 72" in table
+
+
+def test_override_that_matches_nothing_exits_2_naming_the_declarations():
+    result = run("plan", "--preset", "minicpm-o-streaming", "--headroom-bytes", "1GiB",
+                 "--override", "apm/whisper_encoder_self_attn:rows_fixed=4")
+    assert result.returncode == EXIT_BAD_INPUT
+    assert "'apm/whisper_encoder_self_attn:rows_fixed=4' match no declaration" in result.stderr
+    assert "declarations: thinker.apm/whisper_encoder_self_attn" in result.stderr
+    bad = run("plan", "--preset", "minicpm-o-streaming", "--headroom-bytes", "1GiB",
+              "--override", "thinker.apm/whisper_encoder_self_attn:rows_fixed=0")
+    assert bad.returncode == EXIT_BAD_INPUT and "0 must be >= 1" in bad.stderr

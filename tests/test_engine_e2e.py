@@ -161,6 +161,41 @@ def test_warn_changes_nothing_and_its_warning_carries_the_numbers(warn_run):
     assert stats["peak_bytes"] > HEADROOM
 
 
+# --- operator overrides, through LLM(additional_config=...) ---
+
+POSTNET_128 = 2 * 1 * 2 * 64 * 128 * 4  # the postnet declaration with 128 positions instead of 64
+
+
+@pytest.fixture(scope="module")
+def override_run(checkpoint, tmp_path_factory) -> LlmRun:
+    return _run_llm(checkpoint, tmp_path_factory.mktemp("override"),
+                    {"policy": "cap", "headroom_bytes": "96MiB",
+                     "overrides": ["talker/postnet_step_kv:physical_capacity_positions=128"]},
+                    requests=128, max_tokens=4)
+
+
+def test_an_override_is_applied_before_planning_and_reported_with_both_values(override_run):
+    assert override_run.returncode == 0, override_run.output[-3000:]
+    report = override_run.report
+    per_seq = talker_bytes_per_row(DEFAULT_TALKER) - 2 * 1 * 2 * 64 * 64 * 4 + POSTNET_128
+    assert report["per_seq_bytes"] == per_seq
+    assert report["effective_max_num_seqs"] == HEADROOM // per_seq == 85
+    (postnet,) = [d for d in report["declarations"] if d["name"] == "postnet_step_kv"]
+    assert postnet["overrides"] == [{"field": "physical_capacity_positions", "declared": 64, "applied": 128}]
+    assert "overridden by the operator: physical_capacity_positions declared 64 -> applied 128" in override_run.output
+    (stats,) = override_run.stats.values()
+    assert stats["peak_sequences"] <= 85
+
+
+def test_an_override_that_matches_no_declaration_stops_the_engine(checkpoint, tmp_path):
+    run = _run_llm(checkpoint, tmp_path, {"policy": "warn", "headroom_bytes": "96MiB",
+                                          "overrides": ["talker/talker_kv:rows_fixed=2"]},
+                   requests=1, max_tokens=1)
+    assert run.returncode != 0
+    assert "'talker/talker_kv:rows_fixed=2' match no declaration" in run.output
+    assert "declarations: talker/postnet_step_kv, talker/talker_step_kv" in run.output
+
+
 # --- off, through an api_server ---
 
 @pytest.fixture(scope="module")

@@ -20,12 +20,12 @@ def _by_name(preset):
 
 def test_qwen3_tts_codec_decoder_rows():
     specs = _by_name("qwen3-tts-async-chunk")
-    decoder = specs["decoder_kv"]
+    decoder = specs["codec_decoder_request"]
     assert decoder.physical_capacity_positions == 71
     assert decoder.bytes_per_row == 4_653_056
-    assert specs["decoder_kv_working_copy"].bytes_per_row == 4_653_056
+    assert specs["codec_decoder_working_copy"].bytes_per_row == 4_653_056
     assert decoder.rows is RowDriver.MAX_NUM_SEQS
-    assert specs["decoder_kv_working_copy"].rows is RowDriver.MAX_NUM_SEQS
+    assert specs["codec_decoder_working_copy"].rows is RowDriver.MAX_NUM_SEQS
     # Per-request cache alone at max_num_seqs=256, then twice with the copy.
     assert decoder.peak_bytes(256) == 1_191_182_336
     budget = budget_worker(preset_collection("qwen3-tts-async-chunk"), headroom_override(0), max_num_seqs=256)
@@ -33,7 +33,7 @@ def test_qwen3_tts_codec_decoder_rows():
 
 
 def test_qwen3_tts_graph_pool_is_already_charged():
-    pool = _by_name("qwen3-tts-async-chunk")["graph_pool_kv"]
+    pool = _by_name("qwen3-tts-async-chunk")["codec_decoder_graph_pool"]
     assert pool.scope is Scope.MODEL
     assert pool.peak_bytes(256) == 23_265_280
     budget = budget_worker(preset_collection("qwen3-tts-async-chunk"), headroom_override(0), max_num_seqs=256)
@@ -43,10 +43,10 @@ def test_qwen3_tts_graph_pool_is_already_charged():
 
 def test_mimo_audio_rows():
     specs = _by_name("mimo-audio")
-    local = specs["local_kv"]
+    local = specs["local_transformer"]
     assert local.physical_capacity_positions == 11
     assert local.bytes_per_row == 720_896
-    pool = specs["graph_pool_kv"]
+    pool = specs["local_transformer_graph_pool"]
     assert pool.rows_fixed == sum([1, 2, 4, 6, 8, 16, 32, 64, 128]) == 261
     assert pool.peak_bytes(256) == 188_153_856
 

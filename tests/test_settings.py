@@ -40,9 +40,19 @@ def test_values_parse_sizes_with_units_and_plain_bytes():
         ({"model_local_kv": {"margin_bytes": True}}, "['margin_bytes']"),
         ({"model_local_kv": {"report_path": 3}}, "['report_path'] = 3 is invalid"),
         ({"model_local_kv": {"headroom": "1GiB"}}, "unknown key(s) ['headroom']"),
+        ({"model_local_kv": {"overrides": "decoder/x:layers=2"}}, "['overrides'] = 'decoder/x:layers=2' is invalid"),
+        ({"model_local_kv": {"overrides": ["decoder/x:layers=none"]}}, "['overrides']: override 'decoder/x:layers=none'"),
+        ({"model_local_kv": {"overrides": ["decoder:layers=2"]}}, "expected OWNER/NAME:FIELD=VALUE"),
     ],
 )
 def test_bad_values_raise_value_error_naming_the_key(config, expected):
     with pytest.raises(ValueError) as info:
         settings_from_additional_config(config)
     assert expected in str(info.value)
+
+
+def test_overrides_are_kept_in_order_as_text():
+    texts = ["decoder/codec_decoder_request:physical_capacity_positions=72",
+             "thinker.apm/whisper_encoder_self_attn:rows_fixed=4"]
+    settings = settings_from_additional_config({"model_local_kv": {"overrides": texts}})
+    assert settings.overrides == tuple(texts)

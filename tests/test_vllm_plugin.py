@@ -56,7 +56,7 @@ def _serve_parser() -> FlexibleArgumentParser:
 def test_flags_appear_once_on_vllms_parser_with_choices():
     parser = add_flags(_serve_parser())  # adding again must not duplicate the group
     flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--model-local-kv")]
-    assert sorted(flags) == ["--model-local-kv-headroom", "--model-local-kv-margin",
+    assert sorted(flags) == ["--model-local-kv-headroom", "--model-local-kv-margin", "--model-local-kv-override",
                              "--model-local-kv-policy", "--model-local-kv-report"]
     policy = next(a for a in parser._actions if "--model-local-kv-policy" in a.option_strings)
     assert list(policy.choices) == ["cap", "warn", "off"]
@@ -78,6 +78,27 @@ def test_flags_reach_additional_config_and_win_over_json_keys():
     settings = settings_from_additional_config(engine_args.additional_config)
     assert settings == ModelLocalKVSettings(policy="cap", headroom_bytes=2 * 1024**3, margin_bytes=1024**3,
                                             report_path="/tmp/plan.json")
+
+
+def test_override_flags_add_to_the_overrides_of_additional_config_in_order():
+    parser = _serve_parser()
+    args = parser.parse_args([
+        "--additional-config", json.dumps({"model_local_kv": {"overrides": ["decoder/a:layers=2"]}}),
+        "--model-local-kv-override", "decoder/b:rows_fixed=4",
+        "--model-local-kv-override", "<root>/c:physical_capacity_positions=72",
+    ])
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    assert engine_args.additional_config["model_local_kv"]["overrides"] == [
+        "decoder/a:layers=2", "decoder/b:rows_fixed=4", "<root>/c:physical_capacity_positions=72"]
+
+
+def test_bad_override_is_a_value_error_where_the_config_is_built(tmp_path):
+    from kv_budget.demo_checkpoint import write_demo_checkpoint
+
+    checkpoint = write_demo_checkpoint(tmp_path / "ckpt")
+    with pytest.raises(ValueError, match="'overrides'.*field 'positions' cannot be overridden"):
+        vllm.LLM(model=str(checkpoint), enforce_eager=True,
+                 additional_config={"model_local_kv": {"overrides": ["talker/talker_step_kv:positions=9"]}})
 
 
 def test_no_flags_leave_additional_config_alone():

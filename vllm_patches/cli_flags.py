@@ -7,7 +7,9 @@ which drops attributes that are not EngineArgs fields. So two patches: one
 adds the flags, one copies their values into
 ``additional_config["model_local_kv"]``, which reaches every process.
 Flags given explicitly win over the same keys in ``--additional-config``;
-other keys there are kept.
+other keys there are kept. ``--model-local-kv-override`` (repeatable) adds to
+the ``overrides`` list given there rather than replacing it: both are
+corrections the operator asked for, and dropping one would be silent.
 
 Checked on vLLM 0.32.0 (see ``compat.check_vllm``).
 """
@@ -27,6 +29,7 @@ _FLAG_TO_KEY = {
     "model_local_kv_headroom": "headroom_bytes",
     "model_local_kv_margin": "margin_bytes",
     "model_local_kv_report": "report_path",
+    "model_local_kv_override": "overrides",
 }
 """argparse dest -> key in additional_config["model_local_kv"]."""
 
@@ -61,6 +64,13 @@ def add_flags(parser):
         "--model-local-kv-report", default=argparse.SUPPRESS, metavar="PATH",
         help="Write the startup plan as JSON to PATH.",
     )
+    group.add_argument(
+        "--model-local-kv-override", action="append", default=argparse.SUPPRESS,
+        metavar="OWNER/NAME:FIELD=VALUE",
+        help="Correct one field of one declaration before planning, e.g. "
+        "decoder/codec_decoder_request:physical_capacity_positions=72. Repeatable; applied in order "
+        "after any overrides in --additional-config. An override that matches no declaration is an error.",
+    )
     return parser
 
 
@@ -74,6 +84,14 @@ def merge_flags_into_additional_config(engine_args, namespace) -> None:
         raise ValueError(f"--model-local-kv-* flags need additional_config to be a dict, got {type(additional).__name__}")
     additional = dict(additional)  # never mutate the namespace's own dict
     section = dict(additional.get(CONFIG_KEY) or {})
+    if "overrides" in given:
+        earlier = section.get("overrides") or []
+        if not isinstance(earlier, (list, tuple)):
+            raise ValueError(
+                f"additional_config[{CONFIG_KEY!r}]['overrides'] must be a list to add "
+                f"--model-local-kv-override to, got {earlier!r}"
+            )
+        given["overrides"] = list(earlier) + list(given["overrides"])
     section.update(given)
     additional[CONFIG_KEY] = section
     engine_args.additional_config = additional

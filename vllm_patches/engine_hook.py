@@ -24,8 +24,16 @@ from pathlib import Path
 from typing import Any
 
 from kv_budget.memory import MemorySamplingError, sample_memory
+from kv_budget.overrides import (
+    OverrideError,
+    apply_overrides,
+    declaration_label,
+    parse_overrides,
+    unmatched_message,
+)
 from kv_budget.planner import (
     Decision,
+    Headroom,
     Plan,
     Policy,
     WorkerBudget,
@@ -48,33 +56,50 @@ class ModelLocalKVInfeasibleError(RuntimeError):
     engine refuses to start rather than fail on the first requests."""
 
 
+class ModelLocalKVOverrideError(ValueError):
+    """An operator override matches no declaration on any worker, or makes
+    a declaration invalid. Raised under every policy: a correction that
+    silently does nothing leaves the figure it was meant to fix."""
+
+
 def budget_on_worker(worker: Any, settings: dict, configured_max_num_seqs: int, sharers: int) -> dict:
     """Runs in every worker (``collective_rpc``): collect the loaded model's
-    declarations, sample this worker's device, and budget it. Returns plain
-    JSON data (it crosses a process boundary)."""
+    declarations, apply the operator's overrides, sample this worker's
+    device, and budget it. Returns plain JSON data (it crosses a process
+    boundary); a problem is reported in ``error`` / ``override_error`` for
+    the engine core to raise, with every rank's figures in hand."""
     start = time.perf_counter()
     config = ModelLocalKVSettings.model_validate(settings)
     collection = collect_model_local_kv_specs(worker.model_runner.model)
-    if config.headroom_bytes is not None:
-        headroom = headroom_override(
-            config.headroom_bytes, "--model-local-kv-headroom (operator override, per worker)"
-        )
-    else:
-        device = worker.device
-        try:
-            sample = sample_memory(device.type, device.index or 0)
-        except MemorySamplingError as exc:
-            return {"rank": worker.rank, "budget": None, "error": str(exc), "seconds": time.perf_counter() - start}
-        headroom = headroom_from_free(
-            sample.free_bytes, sample.total_bytes, sample.source, config.margin_bytes, sharers
-        )
-    budget = budget_worker(collection, headroom, rank=worker.rank, max_num_seqs=configured_max_num_seqs)
-    return {
+    result: dict[str, Any] = {
         "rank": worker.rank,
-        "budget": budget.model_dump(mode="json"),
+        "budget": None,
         "error": None,
-        "seconds": time.perf_counter() - start,
+        "override_error": None,
+        "declarations": [declaration_label(owned.owner, owned.spec.name) for owned in collection.specs],
+        "unmatched_overrides": [],
     }
+    try:
+        collection, unmatched = apply_overrides(collection, parse_overrides(config.overrides))
+        result["unmatched_overrides"] = [o.text for o in unmatched]
+        headroom = _worker_headroom(worker, config, sharers)
+        budget = budget_worker(collection, headroom, rank=worker.rank, max_num_seqs=configured_max_num_seqs)
+        result["budget"] = budget.model_dump(mode="json")
+    except OverrideError as exc:
+        result["override_error"] = str(exc)
+    except MemorySamplingError as exc:
+        result["error"] = str(exc)
+    result["seconds"] = time.perf_counter() - start
+    return result
+
+
+def _worker_headroom(worker: Any, config: ModelLocalKVSettings, sharers: int) -> Headroom:
+    """The operator's headroom, or this worker's device sampled now."""
+    if config.headroom_bytes is not None:
+        return headroom_override(config.headroom_bytes, "--model-local-kv-headroom (operator override, per worker)")
+    device = worker.device
+    sample = sample_memory(device.type, device.index or 0)
+    return headroom_from_free(sample.free_bytes, sample.total_bytes, sample.source, config.margin_bytes, sharers)
 
 
 def _workers_sharing_memory(vllm_config: Any) -> int:
@@ -97,6 +122,20 @@ def _write_report(path: str, plan: Plan, seconds: float, worker_seconds: list[fl
     target.write_text(json.dumps(report, indent=2))
 
 
+def _check_overrides(results: list[dict]) -> None:
+    """Refuse an override that made a declaration invalid on some rank, or
+    that matched no declaration on any rank (tensor-parallel ranks may
+    declare differently: an override for the last rank's postnet is fine)."""
+    for result in results:
+        if result["override_error"]:
+            raise ModelLocalKVOverrideError(f"rank {result['rank']}: {result['override_error']}")
+    nowhere = set.intersection(*(set(r["unmatched_overrides"]) for r in results))
+    if nowhere:
+        texts = [text for text in results[0]["unmatched_overrides"] if text in nowhere]
+        available = [label for r in results for label in r["declarations"]]
+        raise ModelLocalKVOverrideError(unmatched_message(parse_overrides(texts), available))
+
+
 def plan_after_kv_caches(core: Any, vllm_config: Any) -> Plan | None:
     """Collect, sample and plan on every worker, take the minimum, apply
     the policy. Returns the plan (None under ``off``)."""
@@ -110,6 +149,7 @@ def plan_after_kv_caches(core: Any, vllm_config: Any) -> Plan | None:
         budget_on_worker,
         args=(settings.model_dump(mode="json"), configured, _workers_sharing_memory(vllm_config)),
     )
+    _check_overrides(results)
     errors = [f"rank {r['rank']}: {r['error']}" for r in results if r["error"]]
     if errors:
         message = (
