@@ -30,8 +30,11 @@ Where caches are found
     collector does; a non-Module root is one owner, "") is an owner. Its
     instance attributes (``vars(module)`` minus ``_modules``, ``_parameters``
     and ``_buffers``) are searched for ``Cache`` objects, directly or inside
-    lists, tuples and dicts up to two levels (a dict of sessions, a dict of
-    lists). A cache held by several owners is attributed once: to the single
+    lists, tuples, dicts and the attributes of plain objects, up to three
+    levels (a dict of sessions, a dict of lists, a runtime helper's dict of
+    session-state dataclasses: where vLLM-Omni's MiniCPM-o keeps each duplex
+    session's encoder cache). Modules met on the way are not entered: they
+    are owners of their own. A cache held by several owners is attributed once: to the single
     holder that declares something if exactly one does, else to the first
     holder in walk order. A cache whose holders all declare nothing goes to
     the single declaring module below its first holder, when there is exactly
@@ -82,6 +85,7 @@ Verdicts per owner
 from __future__ import annotations
 
 import importlib
+import types
 from typing import Any, Literal
 
 import torch
@@ -140,10 +144,14 @@ _SKIPPED_MODULE_ATTRIBUTES = frozenset({"_modules", "_parameters", "_buffers"})
 """Children are owners of their own, and parameters and buffers are weights
 the engine already counted at load; neither is a model-local cache."""
 
-_CONTAINER_DEPTH = 2
-"""How deep lists, tuples and dicts are searched for caches: a dict of
-sessions or a dict of lists. Deeper structures are rare, and searching
-arbitrary object graphs would find caches that belong to someone else."""
+_CONTAINER_DEPTH = 3
+"""How deep lists, tuples, dicts and plain objects are searched for caches:
+a dict of sessions, a dict of lists, or vLLM-Omni's MiniCPM-o duplex runtime
+(an object) -> its ``sessions`` dict -> a session-state dataclass -> the
+cache. Two levels missed that last layout entirely: four sessions' caches
+held while the audit reported the declaration absent and passed. Deeper
+structures are rare, and searching arbitrary object graphs would find
+caches that belong to someone else."""
 
 
 class AuditError(ValueError):
@@ -514,7 +522,22 @@ def _caches_in(label: str, value: Any, depth: int) -> list[tuple[str, Cache]]:
     elif isinstance(value, dict):
         for key, item in value.items():
             found.extend(_caches_in(f"{label}[{key!r}]", item, depth - 1))
+    elif _is_plain_object(value):
+        for attr, item in vars(value).items():
+            found.extend(_caches_in(f"{label}.{attr}", item, depth - 1))
     return found
+
+
+def _is_plain_object(value: Any) -> bool:
+    """An instance whose attributes may hold state (a runtime helper, a
+    session dataclass); not a module (an owner of its own), tensor, class,
+    function or Python module."""
+    if isinstance(
+        value,
+        (torch.nn.Module, torch.Tensor, type, types.ModuleType, types.FunctionType, types.MethodType),
+    ):
+        return False
+    return isinstance(getattr(value, "__dict__", None), dict)
 
 
 def _held_caches(owner: Any) -> list[tuple[str, str, Cache]]:

@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import json
 import sys
+from typing import Any
 
 import audit_models as am
 import pytest
@@ -424,6 +425,36 @@ def test_state_held_by_a_parent_for_its_declaring_child_is_audited_as_the_childs
     stage.other = am.Declarer([per_seq_spec(small_lm.config, positions, "other_cache")])
     owners = {o.owner: o.verdict for o in audit_module(stage).owners}
     assert owners == {"": "undeclared", "decoder": "declared-but-absent", "other": "declared-but-absent"}
+
+
+def test_caches_in_session_objects_of_a_runtime_helper_are_found(small_lm):
+    """vLLM-Omni's MiniCPM-o keeps each duplex session's encoder cache on a
+    session-state dataclass in its runtime helper's ``sessions`` dict, an
+    attribute of the stage model: three levels below the module."""
+
+    @dataclasses.dataclass
+    class SessionState:
+        session_id: str
+        audio_past_key_values: Any = None
+
+    class Runtime:
+        def __init__(self, stage):
+            self.stage = stage  # back-reference to the module: not entered again
+            self.sessions = {}
+
+    positions = 3 + 2 - 1
+    stage = torch.nn.Module()
+    stage.encoder = am.Declarer([dataclasses.replace(
+        per_seq_spec(small_lm.config, positions, "encoder_self_attn"),
+        rows=RowDriver.FIXED, rows_fixed=1, rows_reason="one session")])
+    stage.helper = Runtime(stage)
+    for name in ("s0", "s1", "s2"):
+        stage.helper.sessions[name] = SessionState(
+            name, am.generate_into(small_lm, DynamicCache(), batch=1, prompt=3, new_tokens=2))
+    (entry,) = audit_module(stage).owners
+    assert (entry.owner, entry.verdict) == ("encoder", "under-declared")
+    assert entry.measured_bytes == small_bytes(3, positions) and entry.declared_bytes == small_bytes(1, positions)
+    assert "helper.sessions['s2'].audio_past_key_values" in {c.path for c in entry.caches}
 
 
 def test_explicit_max_num_seqs_is_charged_instead_of_measured_rows(small_lm):
