@@ -138,8 +138,10 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def _run_plan(args: argparse.Namespace) -> int:
     if args.list_presets:
-        for name, (summary, _) in PRESETS.items():
-            print(f"{name}: {summary}")
+        for name, preset in PRESETS.items():
+            print(f"{name}: {preset.summary}")
+            for override, why in preset.corrections:
+                print(f"    correction: --override {override}\n        ({why})")
         return EXIT_OK
     if args.spec_file is None and args.preset is None:
         raise _BadInput("give --spec-file FILE or --preset NAME (see --list-presets)")

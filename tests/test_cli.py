@@ -35,10 +35,10 @@ def test_preset_capped_json_has_the_documented_keys():
     for key in ("safe_max_num_seqs", "effective_max_num_seqs", "per_seq_bytes", "charged_bytes",
                 "uncharged_fixed_bytes", "headroom_bytes", "decision", "declarations"):
         assert key in plan
-    assert plan["per_seq_bytes"] == 2 * 4_653_056
-    assert plan["charged_bytes"] == 23_265_280
+    assert plan["per_seq_bytes"] == 2 * 2_326_528  # two bfloat16 rows of 71 positions
+    assert plan["charged_bytes"] == 11_632_640
     assert plan["headroom_bytes"] == GiB
-    assert plan["effective_max_num_seqs"] == GiB // (2 * 4_653_056)
+    assert plan["effective_max_num_seqs"] == GiB // (2 * 2_326_528)
     assert plan["decision"] == "capped"
 
 
@@ -54,7 +54,7 @@ def test_explicit_headroom_takes_no_margin_and_device_memory_does():
 
 
 def test_warn_keeps_max_num_seqs_and_exits_zero():
-    result, plan = plan_json("--preset", "qwen3-tts-async-chunk", "--headroom-bytes", "1GiB",
+    result, plan = plan_json("--preset", "qwen3-tts-async-chunk", "--headroom-bytes", "512MiB",
                              "--policy", "warn", "--max-num-seqs", "200")
     assert result.returncode == EXIT_OK
     assert plan["decision"] == "warned" and plan["effective_max_num_seqs"] == 200
@@ -75,10 +75,16 @@ def test_table_output_names_figures_and_sources():
     assert "--headroom-bytes (operator override)" in result.stdout
 
 
+def test_list_presets_shows_each_correction_with_its_reason():
+    result = run("plan", "--list-presets")
+    assert "--override thinker.apm/whisper_encoder_self_attn:rows_fixed=4" in result.stdout
+    assert "max_sessions 4" in result.stdout
+
+
 def test_list_presets():
     result = run("plan", "--list-presets")
     assert result.returncode == EXIT_OK
-    assert {line.split(":")[0] for line in result.stdout.splitlines()} == {
+    assert {line.split(":")[0] for line in result.stdout.splitlines() if not line.startswith(" ")} == {
         "qwen3-tts-async-chunk", "mimo-audio", "minicpm-o-streaming", "ming-talker"}
 
 
@@ -196,9 +202,9 @@ def test_override_corrects_a_preset_and_the_plan_shows_both_values():
     result, plan = plan_json("--preset", "qwen3-tts-async-chunk", "--headroom-bytes", "1GiB",
                              "--override", "decoder/codec_decoder_request:physical_capacity_positions=72")
     assert result.returncode == EXIT_OK, result.stderr
-    row_72 = 2 * 8 * 16 * 64 * 72 * 4
-    assert plan["per_seq_bytes"] == row_72 + 4_653_056
-    assert plan["effective_max_num_seqs"] == GiB // (row_72 + 4_653_056)
+    row_72 = 2 * 8 * 16 * 64 * 72 * 2
+    assert plan["per_seq_bytes"] == row_72 + 2_326_528
+    assert plan["effective_max_num_seqs"] == GiB // (row_72 + 2_326_528)
     (request,) = [d for d in plan["declarations"] if d["name"] == "codec_decoder_request"]
     assert request["overrides"] == [{"field": "physical_capacity_positions", "declared": 71, "applied": 72}]
     table = run("plan", "--preset", "qwen3-tts-async-chunk", "--headroom-bytes", "1GiB",

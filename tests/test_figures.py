@@ -6,11 +6,14 @@ own arithmetic (protocol) and the planner's sums over the presets.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import Qwen2Config
 
 from kv_budget import RowDriver, Scope, budget_worker, headroom_override, spec_from_hf_config
+from kv_budget.overrides import apply_overrides, parse_override
 from kv_budget.presets import PRESETS, preset_collection
 
 
@@ -18,26 +21,34 @@ def _by_name(preset):
     return {o.spec.name: o.spec for o in preset_collection(preset).specs}
 
 
+QWEN3_TTS_ROW_F32 = 2 * 8 * 16 * 64 * 71 * 4  # the published row: 4,653,056 B
+
+
 def test_qwen3_tts_codec_decoder_rows():
+    """The published row (float32) from the preset's geometry; the preset
+    itself is bfloat16, the dtype deploy/qwen3_tts.yaml runs, so half."""
     specs = _by_name("qwen3-tts-async-chunk")
     decoder = specs["codec_decoder_request"]
     assert decoder.physical_capacity_positions == 71
-    assert decoder.bytes_per_row == 4_653_056
-    assert specs["codec_decoder_working_copy"].bytes_per_row == 4_653_056
+    published = dataclasses.replace(decoder, dtype=torch.float32)
+    assert published.bytes_per_row == QWEN3_TTS_ROW_F32 == 4_653_056
+    # Per-request cache alone at max_num_seqs=256, as published (float32).
+    assert published.peak_bytes(256) == 1_191_182_336
+    assert decoder.dtype is torch.bfloat16 and decoder.bytes_per_row == 2_326_528
+    assert specs["codec_decoder_working_copy"].bytes_per_row == 2_326_528
     assert decoder.rows is RowDriver.MAX_NUM_SEQS
     assert specs["codec_decoder_working_copy"].rows is RowDriver.MAX_NUM_SEQS
-    # Per-request cache alone at max_num_seqs=256, then twice with the copy.
-    assert decoder.peak_bytes(256) == 1_191_182_336
     budget = budget_worker(preset_collection("qwen3-tts-async-chunk"), headroom_override(0), max_num_seqs=256)
-    assert budget.per_seq_bytes * 256 == 2 * 1_191_182_336
+    assert budget.per_seq_bytes * 256 == 1_191_182_336  # two bfloat16 rows per sequence
 
 
 def test_qwen3_tts_graph_pool_is_already_charged():
     pool = _by_name("qwen3-tts-async-chunk")["codec_decoder_graph_pool"]
     assert pool.scope is Scope.MODEL
-    assert pool.peak_bytes(256) == 23_265_280
+    assert dataclasses.replace(pool, dtype=torch.float32).peak_bytes(256) == 23_265_280  # published, float32
+    assert pool.peak_bytes(256) == 11_632_640
     budget = budget_worker(preset_collection("qwen3-tts-async-chunk"), headroom_override(0), max_num_seqs=256)
-    assert budget.charged_bytes == 23_265_280
+    assert budget.charged_bytes == 11_632_640
     assert budget.uncharged_fixed_bytes == 0
 
 
@@ -72,6 +83,19 @@ def test_ming_talker_from_its_hf_config_geometry():
     (preset,) = _by_name("ming-talker").values()
     assert preset.bytes_per_row == spec.bytes_per_row
     assert preset.rows_fixed == 1
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_correction_applies_to_its_preset_and_adds_bytes(name):
+    """A correction that matched nothing, or lowered a figure, would be a
+    stale line in --list-presets."""
+    collection = preset_collection(name)
+    for override, why in PRESETS[name].corrections:
+        corrected, unmatched = apply_overrides(collection, [parse_override(override)])
+        assert unmatched == [] and why
+        before = budget_worker(collection, headroom_override(0), max_num_seqs=256)
+        after = budget_worker(corrected, headroom_override(0), max_num_seqs=256)
+        assert after.per_seq_bytes + after.uncharged_fixed_bytes > before.per_seq_bytes + before.uncharged_fixed_bytes
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
