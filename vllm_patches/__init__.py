@@ -11,8 +11,8 @@ What it does, in order:
 1. ``compat.check_vllm``: every hook point below exists, or startup fails
    naming the vLLM version found and the versions tested.
 2. ``cli_flags.patch_engine_args``: ``--model-local-kv-policy``, ``-headroom``,
-   ``-margin``, ``-report`` on every parser built from EngineArgs, copied into
-   ``additional_config["model_local_kv"]``.
+   ``-margin``, ``-report``, ``-override`` on every parser built from
+   EngineArgs, copied into ``additional_config["model_local_kv"]``.
 3. ``engine_hook.patch_engine_config_validation``: bad settings raise
    ValueError where the config is built.
 4. ``engine_hook.patch_engine_core``: the startup plan after the paged KV
