@@ -1,6 +1,8 @@
 """The ``kv-budget`` command.
 
-``kv-budget plan`` sizes a deployment before it starts; ``kv-budget audit``
+``kv-budget plan`` sizes a deployment before it starts (one engine from a
+preset or spec file, or every stage of a vLLM-Omni deploy file with
+``--deploy``, :mod:`kv_budget.deploy`); ``kv-budget audit``
 holds a warmed-up model's declarations to the caches it really holds;
 ``kv-budget make-demo-model`` writes the demo checkpoint offline.
 
@@ -8,7 +10,8 @@ Exit codes (documented in the README, stable for scripts):
 
 * 0: the plan is ok, capped or warned; the audit found nothing dangerous.
 * 2: bad input (a one-line message names the problem; never a traceback).
-* 3: under ``--policy cap`` not even one sequence fits.
+* 3: under ``--policy cap`` not even one sequence fits (with ``--deploy``:
+  some device does not fit).
 * 4: the audit found an under-declared or undeclared cache.
 """
 
@@ -18,7 +21,9 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
+from .deploy import DeployError, StageDeclarations, load_deploy, plan_deploy
 from .overrides import (
     OverrideError,
     apply_overrides,
@@ -36,9 +41,9 @@ from .planner import (
 )
 from .presets import PRESETS, preset_collection
 from .protocol import Collection
-from .report import infeasible_message, render_plan_table
+from .report import deploy_infeasible_message, infeasible_message, render_deploy_table, render_plan_table
 from .specfile import SpecFileError, load_spec_file
-from .units import byte_size_argument
+from .units import byte_size_argument, parse_byte_size
 
 __all__ = ["main", "EXIT_OK", "EXIT_BAD_INPUT", "EXIT_INFEASIBLE", "EXIT_AUDIT_FAILED"]
 
@@ -84,13 +89,17 @@ def _build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser(
         "plan",
         help="size max_num_seqs for a deployment before starting it",
-        description="Plan max_num_seqs from declarations and a headroom. Exit 0 ok/capped/warned, "
-        "2 bad input, 3 infeasible under --policy cap.",
+        description="Plan max_num_seqs from declarations and a headroom, or every stage of a vLLM-Omni "
+        "deploy file (--deploy). Exit 0 ok/capped/warned, 2 bad input, 3 infeasible under --policy cap.",
     )
     source = plan.add_mutually_exclusive_group()
     source.add_argument("--spec-file", help="JSON list of declarations (protocol field names)")
     source.add_argument("--preset", choices=sorted(PRESETS), help="published declarations of a model")
     source.add_argument("--list-presets", action="store_true", help="list presets and exit")
+    source.add_argument(
+        "--deploy", metavar="FILE",
+        help="plan a vLLM-Omni deploy file (per-device ledger of all its stages; docs/deploy.md)",
+    )
     room = plan.add_mutually_exclusive_group()
     room.add_argument(
         "--headroom-bytes", type=byte_size_argument,
@@ -98,10 +107,23 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     room.add_argument(
         "--device-memory", type=byte_size_argument,
-        help="device size; headroom = what vLLM leaves outside its requested budget, minus the margin",
+        help="device size; headroom = what vLLM leaves outside its requested budget, minus the margin "
+        "(with --deploy: the size of every device the file uses)",
     )
     plan.add_argument(
-        "--gpu-memory-utilization", type=_utilization, default=0.9,
+        "--device-memory-of", action="append", default=[], metavar="DEVICE=SIZE",
+        help="with --deploy: the size of one device (repeatable; wins over --device-memory)",
+    )
+    plan.add_argument(
+        "--stage-declarations", action="append", default=[], metavar="STAGE=PRESET_OR_SPEC_FILE",
+        help="with --deploy: the declarations of one stage's model, a preset name or a spec file (repeatable)",
+    )
+    plan.add_argument(
+        "--platform", metavar="NAME",
+        help="with --deploy: apply the file's platforms.NAME overrides (cuda, rocm, npu, ...); default: none",
+    )
+    plan.add_argument(
+        "--gpu-memory-utilization", type=_utilization, default=None,
         help="vLLM's gpu_memory_utilization, with --device-memory (default 0.9)",
     )
     plan.add_argument(
@@ -113,7 +135,8 @@ def _build_parser() -> argparse.ArgumentParser:
         help="correct one field of one declaration before planning (repeatable, applied in order), "
         "e.g. decoder/codec_decoder_request:physical_capacity_positions=72",
     )
-    plan.add_argument("--max-num-seqs", type=_positive_int, default=256, help="configured max_num_seqs (default 256)")
+    plan.add_argument("--max-num-seqs", type=_positive_int, default=None,
+                      help="configured max_num_seqs (default 256)")
     plan.add_argument("--policy", choices=[p.value for p in Policy], default=Policy.CAP.value,
                       help="cap (default), warn, or off (reports like warn)")
     plan.add_argument("--json", action="store_true", help="print only the plan as JSON")
@@ -136,7 +159,34 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_DEPLOY_ONLY = (
+    ("--stage-declarations", "stage_declarations"),
+    ("--device-memory-of", "device_memory_of"),
+    ("--platform", "platform"),
+)
+
+_NOT_WITH_DEPLOY = (
+    ("--headroom-bytes", "headroom_bytes",
+     "what is left comes from the file's ledger; give --device-memory SIZE or --device-memory-of DEVICE=SIZE"),
+    ("--margin-bytes", "margin_bytes", "the ledger uses vLLM-Omni's own 1 GiB margin and 1 GiB external reserve"),
+    ("--gpu-memory-utilization", "gpu_memory_utilization", "each stage's comes from the deploy file"),
+    ("--max-num-seqs", "max_num_seqs", "each stage's comes from the deploy file"),
+    ("--override", "override",
+     ("OWNER/NAME would not say which stage it corrects; put the corrected declarations in a spec file "
+      "and pass it with --stage-declarations STAGE=FILE")),
+)
+
+
 def _run_plan(args: argparse.Namespace) -> int:
+    if args.deploy is not None:
+        return _run_deploy_plan(args)
+    for flag, attr in _DEPLOY_ONLY:
+        if getattr(args, attr):
+            raise _BadInput(f"{flag} applies to --deploy FILE only")
+    if args.gpu_memory_utilization is None:
+        args.gpu_memory_utilization = 0.9
+    if args.max_num_seqs is None:
+        args.max_num_seqs = 256
     if args.list_presets:
         for name, preset in PRESETS.items():
             print(f"{name}: {preset.summary}")
@@ -166,6 +216,93 @@ def _run_plan(args: argparse.Namespace) -> int:
         print(render_plan_table(plan))
     if plan.decision is Decision.INFEASIBLE:
         print(f"kv-budget: {infeasible_message(plan)}", file=sys.stderr)
+        return EXIT_INFEASIBLE
+    return EXIT_OK
+
+
+def _split_assignment(flag: str, text: str) -> tuple[str, str]:
+    key, equals, value = text.partition("=")
+    if not equals or not key.strip() or not value.strip():
+        raise _BadInput(f"{flag} {text!r}: expected KEY=VALUE, e.g. {flag} 0=80GiB")
+    return key.strip(), value.strip()
+
+
+def _device_sizes(texts: list[str]) -> dict[int, int]:
+    sizes: dict[int, int] = {}
+    for text in texts:
+        key, value = _split_assignment("--device-memory-of", text)
+        if not key.isdigit():
+            raise _BadInput(f"--device-memory-of {text!r}: device {key!r} is not a device index")
+        try:
+            size = parse_byte_size(value)
+        except ValueError as exc:
+            raise _BadInput(f"--device-memory-of {text!r}: {exc}") from None
+        if int(key) in sizes:
+            raise _BadInput(f"--device-memory-of {text!r}: device {key} is given twice")
+        sizes[int(key)] = size
+    return sizes
+
+
+def _stage_declarations(texts: list[str]) -> dict[int, StageDeclarations]:
+    """``STAGE=PRESET_OR_SPEC_FILE`` -> the stage's declarations: a preset
+    name when it is one, else a spec file path."""
+    found: dict[int, StageDeclarations] = {}
+    for text in texts:
+        key, value = _split_assignment("--stage-declarations", text)
+        try:
+            stage = int(key)
+        except ValueError:
+            raise _BadInput(f"--stage-declarations {text!r}: stage {key!r} is not a stage_id (an integer)") from None
+        if stage in found:
+            raise _BadInput(f"--stage-declarations {text!r}: stage {stage} is given twice")
+        if value in PRESETS:
+            found[stage] = StageDeclarations(stage, f"preset {value}", preset_collection(value))
+            continue
+        if not Path(value).is_file():
+            raise _BadInput(
+                f"--stage-declarations {text!r}: {value!r} is neither a preset ({', '.join(PRESETS)}) nor a file"
+            )
+        try:
+            found[stage] = StageDeclarations(stage, f"spec file {value}", load_spec_file(value))
+        except SpecFileError as exc:
+            raise _BadInput(f"--stage-declarations {text!r}: {exc}") from None
+    return found
+
+
+def _run_deploy_plan(args: argparse.Namespace) -> int:
+    """``plan --deploy``: the per-device ledger of a vLLM-Omni deploy file."""
+    for flag, attr, why in _NOT_WITH_DEPLOY:
+        if getattr(args, attr):
+            raise _BadInput(f"{flag} does not apply to --deploy: {why}")
+    sizes = _device_sizes(args.device_memory_of)
+    declarations = _stage_declarations(args.stage_declarations)
+    try:
+        deploy = load_deploy(args.deploy, platform=args.platform)
+    except DeployError as exc:
+        raise _BadInput(str(exc)) from None
+    used = sorted({device for stage in deploy.stages for device in stage.devices})
+    unused = sorted(set(sizes) - set(used))
+    if unused:
+        raise _BadInput(f"{deploy.where()}: --device-memory-of names device(s) {unused}; the stages use {used}")
+    capacities, sources = {}, {}
+    for device in used:
+        if device in sizes:
+            capacities[device], sources[device] = sizes[device], f"--device-memory-of {device}"
+        elif args.device_memory is not None:
+            capacities[device], sources[device] = args.device_memory, "--device-memory"
+        else:
+            users = [s.stage_id for s in deploy.stages if device in s.devices]
+            raise _BadInput(
+                f"{deploy.where()}: device {device} (stages {users}) has no size: give --device-memory SIZE "
+                f"or --device-memory-of {device}=SIZE"
+            )
+    try:
+        plan = plan_deploy(deploy, capacities, declarations, args.policy, sources)
+    except DeployError as exc:
+        raise _BadInput(str(exc)) from None
+    print(plan.model_dump_json(indent=2) if args.json else render_deploy_table(plan))
+    if plan.infeasible:
+        print(f"kv-budget: {deploy_infeasible_message(plan)}", file=sys.stderr)
         return EXIT_INFEASIBLE
     return EXIT_OK
 

@@ -8,11 +8,13 @@ effective value is shown as their minimum.
 
 from __future__ import annotations
 
+from .deploy import DeployPlan, DeviceLedger, StageOnDevice, StagePlan
 from .planner import Charge, Decision, Plan
 from .protocol import RowDriver
 from .units import format_bytes
 
-__all__ = ["render_plan_table", "infeasible_message", "summary_line"]
+__all__ = ["render_plan_table", "infeasible_message", "summary_line", "render_deploy_table",
+           "deploy_infeasible_message"]
 
 
 def _owner_label(owner: str) -> str:
@@ -99,3 +101,163 @@ def infeasible_message(plan: Plan) -> str:
         f"{needed:,} B ({plan.uncharged_fixed_bytes:,} B fixed + {plan.per_seq_bytes:,} B per sequence) "
         f"but {plan.headroom_bytes:,} B are available ({plan.headroom_source}). Declarations: {names}"
     )
+
+
+def _stage_label(stage: StagePlan) -> str:
+    replicas = stage.settings.replicas
+    if len(replicas) > 1:
+        return f"stage {stage.stage_id} ({len(replicas)} replicas)"
+    return f"stage {stage.stage_id}"
+
+
+def render_deploy_table(plan: DeployPlan) -> str:
+    """Multi-line table of a deploy plan: each stage's settings and where
+    they came from, then per device vLLM-Omni's admission terms, the
+    model-local KV, what is left and the split, then each stage's
+    ``max_num_seqs``. Every figure in exact bytes and MiB."""
+    stages = {stage.stage_id: stage for stage in plan.stages}
+    lines = [
+        f"vLLM-Omni deploy plan: policy={plan.policy.value}, split rule: {plan.split_rule}",
+        f"  deploy file: {plan.deploy_file}",
+    ]
+    if plan.base_files:
+        lines.append(f"  base_config: {' -> '.join(plan.base_files)}")
+    lines += [f"  platform: {plan.platform_note}", "  stages (setting [where it came from]):"]
+    for stage in plan.stages:
+        s = stage.settings
+        devices = s.replicas if len(s.replicas) > 1 else s.replicas[0]
+        lines += [
+            f"    {_stage_label(stage)}: devices {devices} [{s.devices_source}]",
+            f"      gpu_memory_utilization {s.gpu_memory_utilization} [{s.gpu_memory_utilization_source}]",
+            f"      max_num_seqs {s.max_num_seqs} [{s.max_num_seqs_source}]",
+            f"      CUDA graphs {'captured' if s.captures_cuda_graphs else 'not captured'} "
+            f"[{s.graph_reserve_source}]",
+        ]
+        if s.kv_cache_memory_bytes is not None:
+            lines.append(f"      kv_cache_memory_bytes {format_bytes(s.kv_cache_memory_bytes)} "
+                         f"[{s.kv_cache_memory_bytes_source}]")
+        lines.append(f"      declarations: {stage.declarations_source or 'none given'}")
+    for device in plan.devices:
+        lines += _device_lines(device, stages)
+    lines.append(f"  max_num_seqs per stage (model-local KV shares: {plan.split_rule}):")
+    for stage in plan.stages:
+        lines += _stage_lines(stage)
+    verdict = "every device fits" if plan.fits else "some device does NOT fit"
+    if plan.infeasible:
+        verdict += f"; policy {plan.policy.value}: do not start"
+    lines.append(f"  -> {verdict}")
+    return "\n".join(lines)
+
+
+def _device_lines(device: DeviceLedger, stages: dict[int, StagePlan]) -> list[str]:
+    capacity = device.capacity_bytes
+    graph_stages = [e for e in device.stages if e.graph_reserve_bytes]
+    lines = [
+        f"  device {device.device}: capacity {format_bytes(capacity)} [{device.capacity_source}]",
+        "    vLLM-Omni admission terms (its evaluate() arithmetic):",
+    ]
+    for e in device.stages:
+        lines.append(
+            f"      stage {e.stage_id}{_replica(e)} requested: int({capacity:,} x {e.gpu_memory_utilization}) "
+            f"= {format_bytes(e.requested_bytes)}"
+        )
+    lines += [
+        f"      requested (sum): {format_bytes(device.requested_bytes)}",
+        f"      graph reserve: 2 GiB x {len(graph_stages)} stage(s) capturing CUDA graphs "
+        f"({', '.join(f'stage {e.stage_id}{_replica(e)}' for e in graph_stages) or 'none'}) "
+        f"= {format_bytes(device.graph_reserve_bytes)}",
+        f"      external reserve (vLLM-Omni constant): {format_bytes(device.external_reserve_bytes)}",
+        f"      margin (vLLM-Omni constant): {format_bytes(device.margin_bytes)}",
+        f"      required = requested + graph reserve + external reserve + margin: "
+        f"{format_bytes(device.required_bytes)} "
+        f"{'<=' if device.admission_fits else '>'} capacity: "
+        f"{'admitted' if device.admission_fits else 'vLLM-Omni admission FAILS'}",
+    ]
+    for e in device.stages:
+        if e.kv_cache_excess_bytes:
+            lines.append(
+                f"      stage {e.stage_id}{_replica(e)} kv_cache_memory_bytes {e.kv_cache_memory_bytes:,} B exceeds "
+                f"its requested share by {format_bytes(e.kv_cache_excess_bytes)} (charged on top)"
+            )
+    lines.append("    model-local KV:")
+    declaring = [e for e in device.stages if stages[e.stage_id].declarations_source is not None]
+    if not declaring:
+        lines.append("      none declared for the stages on this device (--stage-declarations)")
+    for e in declaring:
+        demand = (f"per sequence {e.per_seq_bytes:,} B x max_num_seqs {e.configured_max_num_seqs} = "
+                  f"{format_bytes(e.per_seq_demand_bytes)}")
+        lines.append(
+            f"      stage {e.stage_id}{_replica(e)} ({stages[e.stage_id].declarations_source}): already charged "
+            f"{format_bytes(e.charged_bytes)} (inside its requested share or graph reserve; not subtracted); "
+            f"uncharged fixed {format_bytes(e.uncharged_fixed_bytes)}; {demand}"
+        )
+    excess = " - kv_cache excess" if device.kv_cache_excess_bytes else ""
+    if device.left_for_per_seq_bytes < 0:
+        verdict = "the uncharged fixed part alone does NOT fit"
+    elif device.per_seq_demand_bytes <= device.left_for_per_seq_bytes:
+        verdict = "fits: every stage keeps its configured value"
+    else:
+        verdict = "does NOT fit: split in proportion to each stage's demand"
+    lines += [
+        f"    left for per-sequence KV = capacity - required{excess} - uncharged fixed "
+        f"{format_bytes(device.uncharged_fixed_bytes)}: {format_bytes(device.left_for_per_seq_bytes)}",
+        f"    per-sequence demand at configured max_num_seqs: {format_bytes(device.per_seq_demand_bytes)} ({verdict})",
+    ]
+    for e in device.stages:
+        if e.share_bytes is not None:
+            lines.append(
+                f"      stage {e.stage_id}{_replica(e)}: share {format_bytes(e.share_bytes)} -> safe max_num_seqs "
+                f"{e.safe_max_num_seqs} here"
+            )
+    lines += [
+        f"    model-local KV at effective max_num_seqs (uncharged): {format_bytes(device.model_local_bytes)}",
+        f"    free = capacity - required{excess} - model-local KV: {format_bytes(device.free_bytes)}",
+        f"    -> device {device.device} {'fits' if device.fits else 'does NOT fit'}",
+    ]
+    return lines
+
+
+def _replica(entry: StageOnDevice) -> str:
+    return f" replica {entry.replica}" if entry.replica else ""
+
+
+def _stage_lines(stage: StagePlan) -> list[str]:
+    if stage.declarations_source is None:
+        return [f"    {_stage_label(stage)}: max_num_seqs {stage.configured_max_num_seqs} "
+                "(no declarations given: not bounded here)"]
+    lines = [f"    {_stage_label(stage)} ({stage.declarations_source}): per sequence "
+             f"{format_bytes(stage.per_seq_bytes)}, uncharged fixed {format_bytes(stage.uncharged_fixed_bytes)}, "
+             f"already charged {format_bytes(stage.charged_bytes)}"]
+    for d in stage.declarations:
+        rows = f"fixed {d.rows_fixed}" if d.rows is RowDriver.FIXED else "max_num_seqs"
+        lines.append(
+            f"      {_owner_label(d.owner)} / {d.name}: {format_bytes(d.bytes_per_row)} per row, rows {rows}, "
+            f"scope {d.scope.value} [{d.charge.value}]"
+        )
+    for c in stage.constraints:
+        lines.append(f"      {c.name}: {c.value}  [{c.detail}]")
+    safe = "unbounded" if stage.safe_max_num_seqs is None else stage.safe_max_num_seqs
+    lines.append(f"      -> safe {safe}, effective max_num_seqs = {stage.effective_max_num_seqs} "
+                 f"({stage.decision.value})")
+    return lines
+
+
+def deploy_infeasible_message(plan: DeployPlan) -> str:
+    """Why a deployment must not start: each device that does not fit, with
+    the figures that decide it."""
+    reasons = []
+    for device in plan.devices:
+        if device.fits:
+            continue
+        if not device.admission_fits:
+            why = (f"vLLM-Omni's admission needs {device.required_bytes:,} B > capacity "
+                   f"{device.capacity_bytes:,} B")
+        elif device.left_for_per_seq_bytes < 0:
+            why = (f"uncharged fixed model-local KV {device.uncharged_fixed_bytes:,} B exceeds the "
+                   f"{device.uncharged_fixed_bytes + device.left_for_per_seq_bytes:,} B the admission terms leave")
+        else:
+            starved = [f"stage {e.stage_id} ({e.per_seq_bytes:,} B per sequence, share {e.share_bytes or 0:,} B)"
+                       for e in device.stages if e.safe_max_num_seqs == 0]
+            why = f"not even one sequence fits for {', '.join(starved)}"
+        reasons.append(f"device {device.device}: {why}")
+    return f"deployment {plan.deploy_file} does not fit: " + "; ".join(reasons)
