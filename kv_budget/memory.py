@@ -15,6 +15,7 @@ log line can be checked by hand with ``nvidia-smi`` or ``cat memory.max``.
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -201,6 +202,33 @@ class CpuSampler:
             process_bytes=process_bytes,
             source=source,
         )
+
+
+def device_identity(device_type: str, torch_index: int = 0, nvml: Any | None = None) -> str:
+    """A name for the physical memory a worker allocates from, the same in
+    every process on the host: the NVML UUID of a CUDA device (indices differ
+    between processes with different ``CUDA_VISIBLE_DEVICES``), or the host
+    for vLLM's CPU build (every engine there draws on one RAM). The device
+    ledger is keyed by it."""
+    if device_type == "cpu":
+        return f"host:{socket.gethostname()}"
+    if device_type != "cuda":
+        raise MemorySamplingError(f"no device identity for device type {device_type!r}")
+    if nvml is None:
+        try:
+            import pynvml as nvml  # type: ignore[no-redef]
+        except ImportError as exc:
+            raise MemorySamplingError("NVML is unavailable: the pynvml module is not installed") from exc
+    try:
+        nvml.nvmlInit()
+    except Exception as exc:  # NVMLError has many subclasses; all mean "no NVML"
+        raise MemorySamplingError(f"NVML could not be initialised: {exc}") from exc
+    try:
+        handle, _ = nvml_index_for_torch_device(torch_index, nvml)
+        uuid = nvml.nvmlDeviceGetUUID(handle)
+        return uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+    finally:
+        nvml.nvmlShutdown()
 
 
 def sample_memory(device_type: str, torch_index: int = 0) -> MemorySample:

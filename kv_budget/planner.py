@@ -38,6 +38,8 @@ __all__ = [
     "FailureLine",
     "WorkerBudget",
     "Constraint",
+    "ReservationLine",
+    "LedgerLine",
     "Plan",
     "DEFAULT_MARGIN_FRACTION",
     "MIN_DEFAULT_MARGIN_BYTES",
@@ -46,6 +48,7 @@ __all__ = [
     "headroom_override",
     "headroom_outside_requested",
     "budget_worker",
+    "shared_budget",
     "make_plan",
 ]
 
@@ -113,6 +116,9 @@ class Headroom(BaseModel):
 
     sampled_free_bytes: int | None = None
     margin_bytes: int = 0
+    reserved_by_others_bytes: int = 0
+    """Taken off for other engines' model-local KV on the same device
+    (:mod:`kv_budget.ledger`); 0 when none or the ledger is off."""
 
 
 def headroom_from_free(
@@ -297,6 +303,29 @@ def budget_worker(collection: Collection, headroom: Headroom, rank: int = 0, max
     )
 
 
+def shared_budget(worker: WorkerBudget, others_bytes: int, others: str, share_bytes: int | None = None) -> WorkerBudget:
+    """The worker's budget once the device is shared: ``others_bytes`` that
+    other engines reserved on its device (``others`` names them) come off
+    its headroom, and with ``share_bytes`` (the operator's share for this
+    engine) the rest is capped at that share, leaving the remainder to
+    engines that start later. Never negative."""
+    if others_bytes < 0 or (share_bytes is not None and share_bytes < 0):
+        raise ValueError(f"others_bytes={others_bytes}, share_bytes={share_bytes}: must be >= 0")
+    room = worker.headroom
+    left = max(room.bytes - others_bytes, 0)
+    source = room.source
+    if others_bytes:
+        source += f"; minus {others_bytes:,} B reserved by other engines on this device ({others})"
+    if share_bytes is not None and share_bytes < left:
+        left = share_bytes
+        source += f"; capped at this engine's share {share_bytes:,} B (--model-local-kv-share)"
+    headroom = room.model_copy(update={"bytes": left, "source": source, "reserved_by_others_bytes": others_bytes})
+    return worker.model_copy(update={
+        "headroom": headroom,
+        "safe_max_num_seqs": _safe_max_num_seqs(left, worker.uncharged_fixed_bytes, worker.per_seq_bytes),
+    })
+
+
 class Constraint(BaseModel):
     """One named bound on ``max_num_seqs``; the effective value is the
     minimum over all of them (under ``cap``)."""
@@ -304,6 +333,26 @@ class Constraint(BaseModel):
     name: str
     value: int
     detail: str
+
+
+class ReservationLine(BaseModel):
+    """One engine's model-local bytes on one device, as the ledger holds them."""
+
+    device: str
+    engine: str
+    pid: int
+    reserved_bytes: int
+
+
+class LedgerLine(BaseModel):
+    """What the device ledger said and what this engine recorded in it."""
+
+    directory: str
+    others: list[ReservationLine]
+    """Other live engines' reservations on this engine's devices, taken off
+    its headroom."""
+    recorded: list[ReservationLine]
+    """This engine's reservations: its predicted peak per device."""
 
 
 class Plan(BaseModel):
@@ -336,6 +385,8 @@ class Plan(BaseModel):
     declarations: list[DeclarationLine]
     failures: list[FailureLine]
     workers: list[WorkerBudget]
+    ledger: LedgerLine | None = None
+    """The shared device ledger, when the engine used one."""
 
     @property
     def fits(self) -> bool:

@@ -53,6 +53,7 @@ def render_plan_table(plan: Plan) -> str:
         f"  uncharged fixed (subtracted once): {format_bytes(plan.uncharged_fixed_bytes)}",
         f"  per sequence (sum of bytes per row of max_num_seqs declarations): {format_bytes(plan.per_seq_bytes)}",
         f"  headroom: {format_bytes(plan.headroom_bytes)} from {plan.headroom_source}",
+        *_ledger_lines(plan),
         f"  needed at configured max_num_seqs={plan.configured_max_num_seqs}: "
         f"{format_bytes(plan.required_bytes_at_configured)}",
         "  constraints on max_num_seqs:",
@@ -64,6 +65,21 @@ def render_plan_table(plan: Plan) -> str:
         f"predicted model-local KV at peak {format_bytes(plan.predicted_peak_bytes)}"
     )
     return "\n".join(lines)
+
+
+def _ledger_lines(plan: Plan) -> list[str]:
+    """Who else holds model-local KV on this engine's devices, and what this
+    engine recorded, so an operator can add the device up by hand."""
+    if plan.ledger is None:
+        return []
+    lines = [f"  device ledger {plan.ledger.directory}:"]
+    if not plan.ledger.others:
+        lines.append("    no other engine holds model-local KV on these devices")
+    for r in plan.ledger.others:
+        lines.append(f"    other engine on {r.device}: {r.engine}: {format_bytes(r.reserved_bytes)} reserved")
+    for r in plan.ledger.recorded:
+        lines.append(f"    this engine on {r.device}: {format_bytes(r.reserved_bytes)} reserved (predicted peak)")
+    return lines
 
 
 def _effect(plan: Plan) -> str:

@@ -20,9 +20,12 @@ from .overrides import OverrideError, parse_overrides
 from .planner import Policy
 from .units import parse_byte_size
 
-__all__ = ["CONFIG_KEY", "DEFAULT_POLICY", "ModelLocalKVSettings", "settings_from_additional_config"]
+__all__ = ["CONFIG_KEY", "DEFAULT_POLICY", "LEDGER_OFF", "ModelLocalKVSettings", "settings_from_additional_config"]
 
 CONFIG_KEY = "model_local_kv"
+
+LEDGER_OFF = "off"
+"""``ledger_dir`` value that turns the shared device ledger off."""
 
 DEFAULT_POLICY = Policy.CAP
 """Installing the plugin is the opt-in: a server that has it is protected
@@ -49,7 +52,18 @@ class ModelLocalKVSettings(BaseModel):
     boundaries inside ``additional_config``, which must stay JSON."""
 
 
-_KNOWN = ("policy", "headroom_bytes", "margin_bytes", "report_path", "overrides")
+    ledger_dir: str | None = None
+    """The device ledger's directory (:mod:`kv_budget.ledger`); None: the
+    default runtime directory; ``"off"``: plan alone, as if the device were
+    this engine's only."""
+
+    share_bytes: int | None = None
+    """This engine's share of the device headroom, leaving the rest to
+    engines that start later (stages of one deployment on one GPU); None:
+    whatever the engines already running left."""
+
+
+_KNOWN = ("policy", "headroom_bytes", "margin_bytes", "report_path", "overrides", "ledger_dir", "share_bytes")
 
 
 def _where(key: str) -> str:
@@ -78,7 +92,7 @@ def settings_from_additional_config(additional_config: Any) -> ModelLocalKVSetti
             raise ValueError(
                 f"{_where('policy')} = {raw['policy']!r} is invalid: choose from {[p.value for p in Policy]}"
             ) from None
-    for key in ("headroom_bytes", "margin_bytes"):
+    for key in ("headroom_bytes", "margin_bytes", "share_bytes"):
         if raw.get(key) is not None:
             try:
                 values[key] = parse_byte_size(raw[key])
@@ -88,6 +102,10 @@ def settings_from_additional_config(additional_config: Any) -> ModelLocalKVSetti
         if not isinstance(raw["report_path"], str) or not raw["report_path"]:
             raise ValueError(f"{_where('report_path')} = {raw['report_path']!r} is invalid: expected a file path")
         values["report_path"] = raw["report_path"]
+    if raw.get("ledger_dir") is not None:
+        if not isinstance(raw["ledger_dir"], str) or not raw["ledger_dir"]:
+            raise ValueError(f"{_where('ledger_dir')} = {raw['ledger_dir']!r} is invalid: expected a directory or 'off'")
+        values["ledger_dir"] = raw["ledger_dir"]
     if raw.get("overrides") is not None:
         texts = raw["overrides"]
         if not isinstance(texts, (list, tuple)):

@@ -5,6 +5,7 @@ figures and cgroup files written by the test."""
 from __future__ import annotations
 
 import os
+import socket
 import types
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from kv_budget.memory import (
     CpuSampler,
     MemorySamplingError,
     NvmlSampler,
+    device_identity,
     nvml_index_for_torch_device,
     sample_memory,
 )
@@ -165,3 +167,17 @@ def test_sample_memory_dispatches_and_refuses_unknown_devices():
     assert sample_memory("cpu").total_bytes > 0
     with pytest.raises(MemorySamplingError, match="'xpu'"):
         sample_memory("xpu")
+
+
+def test_device_identity_is_the_nvml_uuid_whatever_the_process_numbering(monkeypatch):
+    """Two processes that number one GPU differently (their own
+    CUDA_VISIBLE_DEVICES) must key the device ledger the same."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,0")
+    fake = FakeNvml(DEVICES)
+    assert device_identity("cuda", 0, nvml=fake) == "GPU-bbbc3333"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,2")
+    assert device_identity("cuda", 1, nvml=fake) == "GPU-bbbc3333"
+    assert fake.shutdowns == 2
+    assert device_identity("cpu") == f"host:{socket.gethostname()}"
+    with pytest.raises(MemorySamplingError, match="'xpu'"):
+        device_identity("xpu")

@@ -41,6 +41,8 @@ def test_values_parse_sizes_with_units_and_plain_bytes():
         ({"model_local_kv": {"report_path": 3}}, "['report_path'] = 3 is invalid"),
         ({"model_local_kv": {"headroom": "1GiB"}}, "unknown key(s) ['headroom']"),
         ({"model_local_kv": {"overrides": "decoder/x:layers=2"}}, "['overrides'] = 'decoder/x:layers=2' is invalid"),
+        ({"model_local_kv": {"ledger_dir": ""}}, "['ledger_dir'] = '' is invalid: expected a directory or 'off'"),
+        ({"model_local_kv": {"share_bytes": "half"}}, "['share_bytes']"),
         ({"model_local_kv": {"overrides": ["decoder/x:layers=none"]}}, "['overrides']: override 'decoder/x:layers=none'"),
         ({"model_local_kv": {"overrides": ["decoder:layers=2"]}}, "expected OWNER/NAME:FIELD=VALUE"),
     ],
@@ -56,3 +58,9 @@ def test_overrides_are_kept_in_order_as_text():
              "thinker.apm/whisper_encoder_self_attn:rows_fixed=4"]
     settings = settings_from_additional_config({"model_local_kv": {"overrides": texts}})
     assert settings.overrides == tuple(texts)
+
+
+def test_ledger_directory_and_share():
+    settings = settings_from_additional_config({"model_local_kv": {"ledger_dir": "off", "share_bytes": "48MiB"}})
+    assert settings.ledger_dir == "off" and settings.share_bytes == 48 * MiB
+    assert settings_from_additional_config({}).ledger_dir is None  # the default runtime directory
