@@ -10,6 +10,8 @@ calling the planner.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -310,3 +312,106 @@ def test_bad_flag_values_are_argparse_errors(args, expected):
     result = _api_server_cli(*args)
     assert result.returncode == 2
     assert expected in result.stderr
+
+
+# --- engines sharing one device: the ledger ---
+
+SHARE_A, SHARE_B = 64 * MiB, 32 * MiB
+CAP_A = SHARE_A // PER_SEQ  # 60
+CAP_B = (HEADROOM - CAP_A * PER_SEQ) // PER_SEQ  # 30: what A left (and below B's share of 32 MiB)
+
+
+def _shared_server(checkpoint: Path, workdir: Path, share: int | None) -> DemoServer:
+    flags = ["--model-local-kv-policy", "cap", "--model-local-kv-headroom", "96MiB"]
+    if share is not None:
+        flags += ["--model-local-kv-share", str(share)]
+    return DemoServer.create(checkpoint, workdir, flags)
+
+
+def _load_together(checkpoint: Path, runs: list[DemoServer]) -> list[LoadResult]:
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(runs)) as pool:
+        return list(pool.map(lambda run: send_completions(run.server.url, str(checkpoint), requests=256), runs))
+
+
+def _others(report: dict) -> list[tuple[int, int]]:
+    return [(o["pid"], o["reserved_bytes"]) for o in report["ledger"]["others"]]
+
+
+@dataclass
+class SharedRun:
+    first: dict
+    second: dict
+    loads: list[LoadResult]
+    peaks: list[int]
+    blocked_log: str | None = None
+    after_kill: dict | None = None
+
+
+@pytest.fixture(scope="module")
+def shared_a_then_b(checkpoint, tmp_path_factory) -> SharedRun:
+    """A (share 64 MiB) then B (share 32 MiB) on one 96 MiB headroom, loaded
+    together; then C (no share) while both run, which must not fit; then A
+    is killed and C starts on what B leaves."""
+    root = tmp_path_factory.mktemp("shared-ab")
+    a = _shared_server(checkpoint, root / "a", SHARE_A)
+    b = _shared_server(checkpoint, root / "b", SHARE_B)
+    with a.server, b.server:
+        loads = _load_together(checkpoint, [a, b])
+        blocked = _shared_server(checkpoint, root / "c-blocked", None)
+        with pytest.raises(ServerStartError) as refused:
+            blocked.server.start()
+        blocked.server.stop()
+        os.killpg(a.server._process.pid, signal.SIGKILL)
+        a.server._process.wait(timeout=30)
+        c = _shared_server(checkpoint, root / "c", None)
+        with c.server:
+            after_kill = c.report()
+    return SharedRun(a.report(), b.report(), loads, [a.peak()[0], b.peak()[0]], refused.value.log, after_kill)
+
+
+def test_engines_sharing_a_device_fit_its_headroom_together(shared_a_then_b):
+    run = shared_a_then_b
+    assert [load.completed for load in run.loads] == [256, 256], [load.errors for load in run.loads]
+    assert run.first["effective_max_num_seqs"] == CAP_A == 60
+    assert run.second["effective_max_num_seqs"] == CAP_B == 30
+    assert (CAP_A + CAP_B) * PER_SEQ <= HEADROOM
+    assert sum(run.peaks) <= HEADROOM
+    # Each plan names what the other engine reserved, and records its own peak.
+    assert run.first["ledger"]["others"] == []
+    assert run.first["ledger"]["recorded"][0]["reserved_bytes"] == CAP_A * PER_SEQ
+    assert [r for _, r in _others(run.second)] == [CAP_A * PER_SEQ]
+    assert f"minus {CAP_A * PER_SEQ:,} B reserved by other engines on this device" in run.second["headroom_source"]
+
+
+def test_a_third_engine_that_would_overcommit_the_device_refuses_to_start(shared_a_then_b):
+    log = shared_a_then_b.blocked_log
+    assert "does not fit even one sequence" in log
+    assert f"minus {(CAP_A + CAP_B) * PER_SEQ:,} B reserved by other engines on this device" in log
+
+
+def test_a_killed_engine_frees_its_reservation_for_the_next(shared_a_then_b):
+    report = shared_a_then_b.after_kill
+    assert [r for _, r in _others(report)] == [CAP_B * PER_SEQ]  # only B's: A is gone
+    assert report["effective_max_num_seqs"] == (HEADROOM - CAP_B * PER_SEQ) // PER_SEQ == 60
+
+
+@pytest.fixture(scope="module")
+def shared_b_then_a(checkpoint, tmp_path_factory) -> SharedRun:
+    root = tmp_path_factory.mktemp("shared-ba")
+    b = _shared_server(checkpoint, root / "b", SHARE_B)
+    a = _shared_server(checkpoint, root / "a", SHARE_A)
+    with b.server, a.server:
+        loads = _load_together(checkpoint, [b, a])
+    return SharedRun(b.report(), a.report(), loads, [b.peak()[0], a.peak()[0]])
+
+
+def test_the_other_start_order_fits_the_headroom_too(shared_b_then_a):
+    run = shared_b_then_a
+    assert [load.completed for load in run.loads] == [256, 256], [load.errors for load in run.loads]
+    cap_b = SHARE_B // PER_SEQ  # 30: B first takes its share
+    cap_a = min(SHARE_A, HEADROOM - cap_b * PER_SEQ) // PER_SEQ  # 60
+    assert (run.first["effective_max_num_seqs"], run.second["effective_max_num_seqs"]) == (cap_b, cap_a)
+    assert (cap_a + cap_b) * PER_SEQ <= HEADROOM and sum(run.peaks) <= HEADROOM
+    assert [r for _, r in _others(run.second)] == [cap_b * PER_SEQ]

@@ -56,8 +56,9 @@ def _serve_parser() -> FlexibleArgumentParser:
 def test_flags_appear_once_on_vllms_parser_with_choices():
     parser = add_flags(_serve_parser())  # adding again must not duplicate the group
     flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--model-local-kv")]
-    assert sorted(flags) == ["--model-local-kv-headroom", "--model-local-kv-margin", "--model-local-kv-override",
-                             "--model-local-kv-policy", "--model-local-kv-report"]
+    assert sorted(flags) == ["--model-local-kv-headroom", "--model-local-kv-ledger-dir", "--model-local-kv-margin",
+                             "--model-local-kv-override", "--model-local-kv-policy", "--model-local-kv-report",
+                             "--model-local-kv-share"]
     policy = next(a for a in parser._actions if "--model-local-kv-policy" in a.option_strings)
     assert list(policy.choices) == ["cap", "warn", "off"]
 
@@ -99,6 +100,12 @@ def test_bad_override_is_a_value_error_where_the_config_is_built(tmp_path):
     with pytest.raises(ValueError, match="'overrides'.*field 'positions' cannot be overridden"):
         vllm.LLM(model=str(checkpoint), enforce_eager=True,
                  additional_config={"model_local_kv": {"overrides": ["talker/talker_step_kv:positions=9"]}})
+
+
+def test_ledger_and_share_flags_reach_additional_config():
+    args = _serve_parser().parse_args(["--model-local-kv-ledger-dir", "off", "--model-local-kv-share", "4GiB"])
+    section = AsyncEngineArgs.from_cli_args(args).additional_config["model_local_kv"]
+    assert section == {"ledger_dir": "off", "share_bytes": 4 * 1024**3}
 
 
 def test_no_flags_leave_additional_config_alone():

@@ -30,6 +30,8 @@ _FLAG_TO_KEY = {
     "model_local_kv_margin": "margin_bytes",
     "model_local_kv_report": "report_path",
     "model_local_kv_override": "overrides",
+    "model_local_kv_ledger_dir": "ledger_dir",
+    "model_local_kv_share": "share_bytes",
 }
 """argparse dest -> key in additional_config["model_local_kv"]."""
 
@@ -63,6 +65,17 @@ def add_flags(parser):
     group.add_argument(
         "--model-local-kv-report", default=argparse.SUPPRESS, metavar="PATH",
         help="Write the startup plan as JSON to PATH.",
+    )
+    group.add_argument(
+        "--model-local-kv-ledger-dir", default=argparse.SUPPRESS, metavar="DIR",
+        help="Directory of the device ledger engines sharing a device plan against (each records the "
+        "model-local bytes it reserved; later ones plan against what is left). 'off' plans alone. "
+        "Default: $KV_BUDGET_LEDGER_DIR, else $XDG_RUNTIME_DIR/kv-budget, else /tmp/kv-budget-UID.",
+    )
+    group.add_argument(
+        "--model-local-kv-share", type=byte_size_argument, default=argparse.SUPPRESS, metavar="SIZE",
+        help="This engine's share of the device headroom (e.g. 4GiB), leaving the rest to engines that "
+        "start later on the same device. Default: whatever the engines already running left.",
     )
     group.add_argument(
         "--model-local-kv-override", action="append", default=argparse.SUPPRESS,

@@ -9,6 +9,10 @@ set now is the one the Scheduler is built with. Lowering it only in the
 engine core is safe: workers were sized for the larger value. Raising it is
 not, and the planner never does.
 
+Engines sharing a device plan against the device ledger
+(:mod:`kv_budget.ledger`): under its lock, what the other live engines
+reserved comes off the headroom, and this engine records its predicted peak.
+
 The patch is on ``EngineCore`` (which ``EngineCoreProc`` and
 ``DPEngineCoreProc`` inherit), not on a worker class: the CPU worker
 overrides ``determine_available_memory``, and the engine level covers both.
@@ -19,11 +23,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from kv_budget.memory import MemorySamplingError, sample_memory
+from kv_budget.ledger import default_ledger_dir, open_ledger
+from kv_budget.memory import MemorySamplingError, device_identity, sample_memory
 from kv_budget.overrides import (
     OverrideError,
     apply_overrides,
@@ -34,17 +41,20 @@ from kv_budget.overrides import (
 from kv_budget.planner import (
     Decision,
     Headroom,
+    LedgerLine,
     Plan,
     Policy,
+    ReservationLine,
     WorkerBudget,
     budget_worker,
     headroom_from_free,
     headroom_override,
     make_plan,
+    shared_budget,
 )
 from kv_budget.protocol import collect_model_local_kv_specs
 from kv_budget.report import infeasible_message, render_plan_table, summary_line
-from kv_budget.settings import ModelLocalKVSettings, settings_from_additional_config
+from kv_budget.settings import LEDGER_OFF, ModelLocalKVSettings, settings_from_additional_config
 
 from .cli_flags import PATCH_MARK
 
@@ -83,6 +93,8 @@ def budget_on_worker(worker: Any, settings: dict, configured_max_num_seqs: int, 
         collection, unmatched = apply_overrides(collection, parse_overrides(config.overrides))
         result["unmatched_overrides"] = [o.text for o in unmatched]
         headroom = _worker_headroom(worker, config, sharers)
+        if config.ledger_dir != LEDGER_OFF:
+            result["device"] = device_identity(worker.device.type, worker.device.index or 0)
         budget = budget_worker(collection, headroom, rank=worker.rank, max_num_seqs=configured_max_num_seqs)
         result["budget"] = budget.model_dump(mode="json")
     except OverrideError as exc:
@@ -136,6 +148,51 @@ def _check_overrides(results: list[dict]) -> None:
         raise ModelLocalKVOverrideError(unmatched_message(parse_overrides(texts), available))
 
 
+def _plan_on_shared_devices(
+    workers: list[WorkerBudget], devices: list[str | None], settings: ModelLocalKVSettings, configured: int,
+    label: str,
+) -> Plan:
+    """Plan against the device ledger: under its lock, take off each
+    worker's headroom what other live engines reserved on its device (and
+    cap it at the operator's share), plan, and record this engine's
+    predicted peak per device, so an engine that plans later cannot count
+    the same bytes. Workers that share one device (the CPU build's host)
+    split the others' reservations and the share between them, as they
+    split the headroom. With the ledger off, only the share applies."""
+    if settings.ledger_dir == LEDGER_OFF:
+        if settings.share_bytes is not None:
+            workers = [shared_budget(w, 0, "", settings.share_bytes) for w in workers]
+        return make_plan(workers, configured, settings.policy)
+    directory = Path(settings.ledger_dir) if settings.ledger_dir else default_ledger_dir()
+    keys = [device or "" for device in devices]
+    per_device = Counter(keys)
+    with open_ledger(directory, keys) as ledger:
+        shared = []
+        for worker, device in zip(workers, keys):
+            others = ledger.others(device)
+            named = ", ".join(f"{o.engine}: {o.reserved_bytes:,} B" for o in others)
+            share = None if settings.share_bytes is None else settings.share_bytes // per_device[device]
+            taken = sum(o.reserved_bytes for o in others) // per_device[device]
+            shared.append(shared_budget(worker, taken, named, share))
+        plan = make_plan(shared, configured, settings.policy)
+        others_lines = [
+            ReservationLine(device=o.device, engine=o.engine, pid=o.pid, reserved_bytes=o.reserved_bytes)
+            for device in per_device for o in ledger.others(device)
+        ]
+        recorded = []
+        if plan.decision is not Decision.INFEASIBLE:
+            for device in per_device:
+                peak = sum(
+                    w.uncharged_fixed_bytes + w.per_seq_bytes * plan.effective_max_num_seqs
+                    for w, key in zip(shared, keys) if key == device
+                )
+                mine = ledger.record(device, label, peak)
+                recorded.append(ReservationLine(device=device, engine=label, pid=mine.pid, reserved_bytes=peak))
+    return plan.model_copy(
+        update={"ledger": LedgerLine(directory=str(directory), others=others_lines, recorded=recorded)}
+    )
+
+
 def plan_after_kv_caches(core: Any, vllm_config: Any) -> Plan | None:
     """Collect, sample and plan on every worker, take the minimum, apply
     the policy. Returns the plan (None under ``off``)."""
@@ -161,7 +218,8 @@ def plan_after_kv_caches(core: Any, vllm_config: Any) -> Plan | None:
         logger.warning("%s; policy warn: max_num_seqs left at %d", message, configured)
         return None
     workers = [WorkerBudget.model_validate(r["budget"]) for r in results]
-    plan = make_plan(workers, configured, settings.policy)
+    label = f"pid {os.getpid()}: model {vllm_config.model_config.model}"
+    plan = _plan_on_shared_devices(workers, [r.get("device") for r in results], settings, configured, label)
     seconds = time.perf_counter() - start
     for line in render_plan_table(plan).splitlines():
         logger.info("%s", line)
