@@ -40,6 +40,7 @@ from .protocol import (
     RowDriver,
     Scope,
 )
+from .specfile import parse_dtype
 
 __all__ = [
     "OverrideError",
@@ -71,13 +72,6 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _dtype(text: str) -> torch.dtype:
-    value = getattr(torch, text.removeprefix("torch."), None)
-    if not isinstance(value, torch.dtype):
-        raise ValueError(f"{text!r} is not a torch dtype name (e.g. 'bfloat16', 'float32')")
-    return value
-
-
 def _choice(enum_cls: type) -> Callable[[str], Any]:
     def parse(text: str) -> Any:
         try:
@@ -96,7 +90,7 @@ OVERRIDABLE_FIELDS: dict[str, Callable[[str], Any]] = {
     "layers": _positive_int,
     "kv_heads": _positive_int,
     "head_dim": _positive_int,
-    "dtype": _dtype,
+    "dtype": parse_dtype,
     "physical_capacity_positions": _positive_int,
     "capacity_source": _text,
     "scope": _choice(Scope),

@@ -73,7 +73,6 @@ import torch
 
 from kv_budget.audit import measure_cache_bytes
 from kv_budget.omni.files import import_omni_module, omni_root
-from kv_budget.omni.mimo_audio import DTYPE
 from kv_budget.omni.vllm_setup import built_under, finish_loading, vllm_cpu_config
 from kv_budget.protocol import collect_model_local_kv_specs
 
@@ -101,6 +100,9 @@ __all__ = [
 
 MODULE = "vllm_omni.model_executor.models.minicpmo_4_5.minicpmo_4_5_omni_llm"
 RUNTIME_MODULE = "vllm_omni.model_executor.models.minicpmo_4_5.duplex.stage0"
+
+DTYPE = torch.bfloat16
+"""The thinker's dtype, as its checkpoint config (``torch_dtype``) says."""
 
 OWNER = "thinker.apm"
 """The declaring encoder's path: the stage model keeps the thinker as
