@@ -29,12 +29,11 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import os
-import subprocess
 import sys
-import tempfile
 import types
-import zipfile
 from pathlib import Path
+
+from kv_budget.published_wheels import WheelUnavailable, unpacked_wheel
 
 __all__ = [
     "OMNI_VERSION",
@@ -58,8 +57,6 @@ ROOT_ENV = "KV_BUDGET_OMNI_DIR"
 """An unpacked vLLM-Omni wheel to use instead of the cache (a directory
 holding ``vllm_omni/``): for machines that cannot reach the registry."""
 
-_MARKER = ".kv-budget-complete"
-
 _PACKAGES_WITH_INIT = frozenset({f"{OMNI_PACKAGE}.platforms", f"{OMNI_PACKAGE}.plugins"})
 """Packages whose ``__init__.py`` *is* run: model files import names defined
 there (``from vllm_omni.platforms import current_omni_platform``), and both
@@ -67,23 +64,16 @@ files only define constants and a lazy platform lookup (no vLLM patching, no
 model imports). Every other package stays empty."""
 
 
-class OmniFilesUnavailable(RuntimeError):
+class OmniFilesUnavailable(WheelUnavailable):
     """vLLM-Omni's files could not be had (no registry, no cache). Tests skip
     on it, naming this message; nothing else may quietly continue."""
-
-
-def _cache_dir(version: str) -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "kv-budget" / f"vllm-omni-{version}"
 
 
 def omni_root(version: str = OMNI_VERSION) -> Path:
     """The directory that holds ``vllm_omni/`` from the wheel of ``version``.
 
-    ``$KV_BUDGET_OMNI_DIR`` wins when set. Otherwise the cache
-    (``$XDG_CACHE_HOME/kv-budget/vllm-omni-VERSION``, default ``~/.cache``)
-    is used, filled on first use by ``pip download --no-deps`` and unpacked
-    there; a marker file written last makes an interrupted fetch start over.
+    ``$KV_BUDGET_OMNI_DIR`` wins when set. Otherwise the wheel is fetched
+    once into kv-budget's cache (:func:`kv_budget.published_wheels.unpacked_wheel`).
     Raises :class:`OmniFilesUnavailable` with pip's own last lines when the
     download fails.
     """
@@ -93,26 +83,10 @@ def omni_root(version: str = OMNI_VERSION) -> Path:
         if not (root / OMNI_PACKAGE).is_dir():
             raise OmniFilesUnavailable(f"${ROOT_ENV}={explicit} has no {OMNI_PACKAGE}/ directory")
         return root
-    root = _cache_dir(version)
-    if (root / _MARKER).is_file():
-        return root
-    with tempfile.TemporaryDirectory(prefix="kv-budget-omni-") as download:
-        command = [
-            sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-            "-d", download, f"vllm-omni=={version}",
-        ]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=600)
-        wheels = sorted(Path(download).glob("vllm_omni-*.whl"))
-        if result.returncode != 0 or not wheels:
-            tail = " | ".join((result.stderr or result.stdout).strip().splitlines()[-3:])
-            raise OmniFilesUnavailable(
-                f"`pip download --no-deps vllm-omni=={version}` failed (exit {result.returncode}): {tail}"
-            )
-        root.mkdir(parents=True, exist_ok=True)
-        with zipfile.ZipFile(wheels[0]) as wheel:
-            wheel.extractall(root)
-    (root / _MARKER).write_text(wheels[0].name + "\n")
-    return root
+    try:
+        return unpacked_wheel("vllm-omni", version)
+    except WheelUnavailable as exc:
+        raise OmniFilesUnavailable(str(exc)) from exc
 
 
 class _OmniFinder(importlib.abc.MetaPathFinder):
