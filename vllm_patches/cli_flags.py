@@ -11,7 +11,7 @@ other keys there are kept. ``--model-local-kv-override`` (repeatable) adds to
 the ``overrides`` list given there rather than replacing it: both are
 corrections the operator asked for, and dropping one would be silent.
 
-Checked on vLLM 0.32.0 (see ``compat.check_vllm``).
+The two signatures are checked by ``compat.check_vllm`` before patching.
 """
 
 from __future__ import annotations
@@ -118,6 +118,7 @@ def patch_engine_args(engine_args_cls) -> None:
             return add_flags(original_add(parser))
 
         setattr(add_cli_args, PATCH_MARK, True)
+        add_cli_args.__wrapped__ = original_add  # type: ignore[attr-defined]
         engine_args_cls.add_cli_args = staticmethod(add_cli_args)
 
     original_from = engine_args_cls.__dict__["from_cli_args"].__func__
@@ -128,4 +129,5 @@ def patch_engine_args(engine_args_cls) -> None:
             return engine_args
 
         setattr(from_cli_args, PATCH_MARK, True)
+        from_cli_args.__wrapped__ = original_from  # type: ignore[attr-defined]
         engine_args_cls.from_cli_args = classmethod(from_cli_args)

@@ -16,7 +16,14 @@ reserved comes off the headroom, and this engine records its predicted peak.
 The patch is on ``EngineCore`` (which ``EngineCoreProc`` and
 ``DPEngineCoreProc`` inherit), not on a worker class: the CPU worker
 overrides ``determine_available_memory``, and the engine level covers both.
-Checked on vLLM 0.32.0 (see ``compat.check_vllm``).
+
+What the hook relies on is checked twice. Before patching, by
+``compat.check_vllm`` (the call order in ``EngineCore.__init__``, the
+signatures). While the engine starts, here: no Scheduler exists yet when the
+hook runs, the configured Scheduler class is vLLM's ``Scheduler`` or a
+subclass, and the Scheduler, once built, runs with the capped value (the
+patched ``Scheduler.__init__``). Where one does not hold, a capping engine
+refuses to start rather than report a cap that does nothing.
 """
 
 from __future__ import annotations
@@ -57,6 +64,13 @@ from kv_budget.report import infeasible_message, render_plan_table, summary_line
 from kv_budget.settings import LEDGER_OFF, ModelLocalKVSettings, settings_from_additional_config
 
 from .cli_flags import PATCH_MARK
+from .compat import (
+    UnsupportedVllmError,
+    checked_vllm,
+    require_no_scheduler_yet,
+    scheduler_cap_problem,
+    scheduler_class_problem,
+)
 
 logger = logging.getLogger("vllm.kv_budget")
 
@@ -123,12 +137,13 @@ def _workers_sharing_memory(vllm_config: Any) -> int:
 
 
 def _write_report(path: str, plan: Plan, seconds: float, worker_seconds: list[float]) -> None:
-    from .compat import vllm_version
-
+    vllm = checked_vllm()
     report = plan.model_dump(mode="json")
     report["plugin_seconds"] = seconds
     report["worker_seconds"] = worker_seconds
-    report["vllm_version"] = vllm_version()
+    report["vllm_version"] = vllm.version
+    report["vllm_distribution"] = vllm.distribution
+    report["vllm_support"] = vllm.support
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(report, indent=2))
@@ -199,7 +214,13 @@ def plan_after_kv_caches(core: Any, vllm_config: Any) -> Plan | None:
     settings = settings_from_additional_config(vllm_config.additional_config)
     if settings.policy is Policy.OFF:
         return None
+    require_no_scheduler_yet(core)
     scheduler_config = vllm_config.scheduler_config
+    scheduler_problem = scheduler_class_problem(scheduler_config)
+    if scheduler_problem and settings.policy is Policy.CAP:
+        raise UnsupportedVllmError(f"kv-budget cannot cap this engine: {scheduler_problem}")
+    if scheduler_problem:
+        logger.warning("kv-budget: %s (policy warn: nothing is changed)", scheduler_problem)
     configured = scheduler_config.max_num_seqs
     start = time.perf_counter()
     results = core.collective_rpc(
@@ -221,6 +242,8 @@ def plan_after_kv_caches(core: Any, vllm_config: Any) -> Plan | None:
     label = f"pid {os.getpid()}: model {vllm_config.model_config.model}"
     plan = _plan_on_shared_devices(workers, [r.get("device") for r in results], settings, configured, label)
     seconds = time.perf_counter() - start
+    vllm = checked_vllm()
+    logger.info("kv-budget: vLLM %s (%s, support: %s)", vllm.version, vllm.distribution, vllm.support)
     for line in render_plan_table(plan).splitlines():
         logger.info("%s", line)
     logger.info(
@@ -234,9 +257,10 @@ def plan_after_kv_caches(core: Any, vllm_config: Any) -> Plan | None:
     if plan.decision is Decision.CAPPED:
         applied = [f"max_num_seqs {configured} -> {plan.effective_max_num_seqs}"]
         scheduler_config.max_num_seqs = plan.effective_max_num_seqs
+        _caps_awaiting_scheduler[id(scheduler_config)] = plan.effective_max_num_seqs
         # vLLM checks max_num_active_seqs <= max_num_seqs only when the
         # config is built; keep it true for the Scheduler built next.
-        active = getattr(scheduler_config, "max_num_active_seqs", None)
+        active = scheduler_config.max_num_active_seqs if vllm.features.max_num_active_seqs else None
         if active is not None and active > plan.effective_max_num_seqs:
             scheduler_config.max_num_active_seqs = plan.effective_max_num_seqs
             applied.append(f"max_num_active_seqs {active} -> {plan.effective_max_num_seqs}")
@@ -264,6 +288,37 @@ def patch_engine_core(engine_core_cls) -> None:
     engine_core_cls._initialize_kv_caches = _initialize_kv_caches
 
 
+_caps_awaiting_scheduler: dict[int, int] = {}
+"""id(scheduler_config) -> the cap set on it, until the Scheduler built
+from that config confirms it took the cap."""
+
+
+def patch_scheduler(scheduler_cls) -> None:
+    """Confirm, when ``Scheduler.__init__`` returns, that a Scheduler built
+    from a capped config admits at most the cap; idempotent. Subclasses
+    (AsyncScheduler, vLLM-Omni's schedulers) reach it through ``super()``."""
+    original = scheduler_cls.__init__
+    if getattr(original, PATCH_MARK, False):
+        return
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        cap = _caps_awaiting_scheduler.pop(id(self.scheduler_config), None)
+        if cap is None:
+            return
+        problem = scheduler_cap_problem(type(self).__qualname__, self.max_num_running_reqs, cap)
+        if problem:
+            raise UnsupportedVllmError(f"kv-budget: {problem}")
+        logger.info(
+            "kv-budget: Scheduler built (class %s) with max_num_running_reqs %d, the cap",
+            type(self).__qualname__, self.max_num_running_reqs,
+        )
+
+    setattr(__init__, PATCH_MARK, True)
+    __init__.__wrapped__ = original  # type: ignore[attr-defined]
+    scheduler_cls.__init__ = __init__
+
+
 def patch_engine_config_validation(engine_args_cls) -> None:
     """Validate ``additional_config["model_local_kv"]`` where the config is
     built, in the process the user called: a bad value through
@@ -279,4 +334,5 @@ def patch_engine_config_validation(engine_args_cls) -> None:
         return vllm_config
 
     setattr(create_engine_config, PATCH_MARK, True)
+    create_engine_config.__wrapped__ = original  # type: ignore[attr-defined]
     engine_args_cls.create_engine_config = create_engine_config

