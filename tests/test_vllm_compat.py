@@ -227,6 +227,13 @@ def test_vllm_033_is_listed_as_checked_against_source_not_run():
     assert [r.series for r in compat.SUPPORTED_VLLM if r.how == "run"] == ["0.30", "0.31", "0.32"]
 
 
+def test_every_supported_version_is_in_the_readme_table():
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    for row in compat.SUPPORTED_VLLM:
+        how = compat.HOW_CHECKED[row.how]
+        assert f"| {row.series}.x | {row.checked_on}: {how} | {row.transformers} |" in readme, row
+
+
 # --- behaviour checked while an engine starts ---------------------------------
 
 def test_a_scheduler_that_exists_when_the_hook_runs_is_refused():
