@@ -67,6 +67,12 @@ class Policy(str, Enum):
     """Change nothing. The engine hook does not even run; the ``plan``
     command reports as under ``warn``."""
 
+    RESERVE = "reserve"
+    """Keep ``max_num_seqs``; take model-local KV at that concurrency out of
+    the paged pool before vLLM allocates it (:mod:`kv_budget.pool_reserve`).
+    Refuse to start if the pool left cannot hold one ``max_model_len``
+    sequence."""
+
 
 class Decision(str, Enum):
     OK = "ok"
@@ -422,6 +428,10 @@ def _at_max_num_seqs(line: DeclarationLine, max_num_seqs: int) -> DeclarationLin
 def make_plan(workers: list[WorkerBudget], configured_max_num_seqs: int, policy: Policy | str) -> Plan:
     """Combine worker budgets into the engine's plan under ``policy``."""
     policy = Policy(policy)
+    if policy is Policy.RESERVE:
+        raise ValueError(
+            "policy reserve plans the paged pool, not max_num_seqs: use kv_budget.pool_reserve.plan_reserve"
+        )
     if not workers:
         raise ValueError("make_plan needs at least one worker budget")
     if isinstance(configured_max_num_seqs, bool) or configured_max_num_seqs < 1:

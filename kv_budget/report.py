@@ -9,12 +9,13 @@ effective value is shown as their minimum.
 from __future__ import annotations
 
 from .deploy import DeployPlan, DeviceLedger, StageOnDevice, StagePlan
-from .planner import Charge, Decision, Plan
+from .planner import Charge, DeclarationLine, Decision, FailureLine, Plan, WorkerBudget
+from .pool_reserve import ReservePlan
 from .protocol import RowDriver
 from .units import format_bytes
 
 __all__ = ["render_plan_table", "infeasible_message", "summary_line", "render_deploy_table",
-           "deploy_infeasible_message"]
+           "deploy_infeasible_message", "render_reserve_table", "reserve_infeasible_message", "render_choices"]
 
 
 def _owner_label(owner: str) -> str:
@@ -27,26 +28,7 @@ def render_plan_table(plan: Plan) -> str:
         f"model-local KV plan: policy={plan.policy.value} decision={plan.decision.value} "
         f"(figures from rank {plan.binding_rank} of {len(plan.workers)} worker(s))"
     ]
-    if plan.declarations:
-        lines.append("  declarations (owner / name: geometry x positions = bytes per row; rows -> bytes):")
-    else:
-        lines.append("  declarations: none (the model declares no model-local KV)")
-    for d in plan.declarations:
-        rows = (
-            f"fixed {d.rows_fixed} ({d.rows_reason})"
-            if d.rows is RowDriver.FIXED
-            else f"max_num_seqs = {d.rows_at_peak}"
-        )
-        lines.append(
-            f"    {_owner_label(d.owner)} / {d.name}: 2 x {d.layers} layers x {d.kv_heads} kv heads "
-            f"x {d.head_dim} head_dim x {d.physical_capacity_positions} positions "
-            f"({d.capacity_source}) x {d.dtype_bytes} B {d.dtype} = {format_bytes(d.bytes_per_row)} per row; "
-            f"scope {d.scope.value}, rows {rows} -> {format_bytes(d.peak_bytes)} [{d.charge.value}]"
-        )
-        for o in d.overrides:
-            lines.append(f"      overridden by the operator: {o.field} declared {o.declared} -> applied {o.applied}")
-    for f in plan.failures:
-        lines.append(f"    FAILED declarer on rank {f.rank}: {_owner_label(f.owner)}: {f.error}")
+    lines += _declaration_lines(plan.declarations, plan.failures)
     lines += [
         f"  already charged (scope model, resident when sampled; not subtracted again): "
         f"{format_bytes(plan.charged_bytes)}",
@@ -65,6 +47,99 @@ def render_plan_table(plan: Plan) -> str:
         f"predicted model-local KV at peak {format_bytes(plan.predicted_peak_bytes)}"
     )
     return "\n".join(lines)
+
+
+def _declaration_lines(declarations: list[DeclarationLine], failures: list[FailureLine]) -> list[str]:
+    """One line per declaration (geometry, rows, bytes, charge) and per failed declarer."""
+    lines = []
+    if declarations:
+        lines.append("  declarations (owner / name: geometry x positions = bytes per row; rows -> bytes):")
+    else:
+        lines.append("  declarations: none (the model declares no model-local KV)")
+    for d in declarations:
+        rows = (
+            f"fixed {d.rows_fixed} ({d.rows_reason})"
+            if d.rows is RowDriver.FIXED
+            else f"max_num_seqs = {d.rows_at_peak}"
+        )
+        lines.append(
+            f"    {_owner_label(d.owner)} / {d.name}: 2 x {d.layers} layers x {d.kv_heads} kv heads "
+            f"x {d.head_dim} head_dim x {d.physical_capacity_positions} positions "
+            f"({d.capacity_source}) x {d.dtype_bytes} B {d.dtype} = {format_bytes(d.bytes_per_row)} per row; "
+            f"scope {d.scope.value}, rows {rows} -> {format_bytes(d.peak_bytes)} [{d.charge.value}]"
+        )
+        for o in d.overrides:
+            lines.append(f"      overridden by the operator: {o.field} declared {o.declared} -> applied {o.applied}")
+    for f in failures:
+        lines.append(f"    FAILED declarer on rank {f.rank}: {_owner_label(f.owner)}: {f.error}")
+    return lines
+
+
+def render_reserve_table(plan: ReservePlan, binding: WorkerBudget) -> str:
+    """Under ``reserve``: the declarations, what was taken out of the paged
+    pool, and what it cost in blocks and in ``max_model_len`` concurrency."""
+    lines = [
+        f"model-local KV plan: policy=reserve decision={'reserved' if plan.feasible else 'infeasible'} "
+        f"(figures from rank {plan.binding_rank} of {len(plan.reservations)} worker(s))",
+        *_declaration_lines(binding.declarations, binding.failures),
+        f"  already charged (scope model, resident when profiled; not reserved again): "
+        f"{format_bytes(binding.charged_bytes)}",
+        f"  uncharged fixed: {format_bytes(binding.uncharged_fixed_bytes)}; per sequence: "
+        f"{format_bytes(binding.per_seq_bytes)}; max_num_seqs kept at {plan.max_num_seqs} (configured)",
+        f"  reserved out of the paged pool: {binding.uncharged_fixed_bytes:,} B + {binding.per_seq_bytes:,} B x "
+        f"{plan.max_num_seqs} = {format_bytes(plan.reserved_bytes)}",
+        f"  paged pool: {format_bytes(plan.kv_pool_bytes_before)} before ({plan.pool_source}) "
+        f"-> {format_bytes(plan.kv_pool_bytes_after)} after",
+        f"  blocks: {plan.num_blocks_before:,} -> {plan.num_blocks_after:,} (a block is "
+        f"{plan.binding.block_bytes:,} B across the KV layers; the reservation costs "
+        f"{plan.num_blocks_before - plan.num_blocks_after:,} blocks)",
+        f"  -> max_num_seqs = {plan.max_num_seqs} (kept); the pool holds "
+        f"{plan.max_concurrency_at_max_model_len:.2f} sequences of max_model_len={plan.max_model_len:,} at once "
+        f"({plan.num_blocks_after:,} blocks / {plan.blocks_per_sequence:,} per sequence)",
+    ]
+    return "\n".join(lines)
+
+
+def render_choices(cap: Plan | None, reserve: ReservePlan) -> str:
+    """``cap`` and ``reserve`` at the same settings, one line each, so an
+    operator can pick before starting: concurrency, or pool blocks."""
+    before = reserve.num_blocks_before / reserve.blocks_per_sequence
+    lines = [f"choices at max_num_seqs={reserve.max_num_seqs} (pick one with --model-local-kv-policy):"]
+    if cap is None:
+        lines.append("  cap:     give --headroom-bytes or --device-memory to see what cap would do")
+    elif cap.decision is Decision.INFEASIBLE:
+        lines.append(f"  cap:     refuses to start: not one sequence fits the headroom of {cap.headroom_bytes:,} B")
+    else:
+        lines.append(
+            f"  cap:     max_num_seqs {cap.configured_max_num_seqs} -> {cap.effective_max_num_seqs}; "
+            f"{cap.predicted_peak_bytes:,} B of model-local KV outside the pool, in the headroom; the pool keeps "
+            f"its {reserve.num_blocks_before:,} blocks ({before:.2f} sequences of max_model_len at once)"
+        )
+    if reserve.feasible:
+        lines.append(
+            f"  reserve: max_num_seqs stays {reserve.max_num_seqs}; {reserve.reserved_bytes:,} B come out of the "
+            f"pool: {reserve.num_blocks_before:,} -> {reserve.num_blocks_after:,} blocks ({before:.2f} -> "
+            f"{reserve.max_concurrency_at_max_model_len:.2f} sequences of max_model_len={reserve.max_model_len:,} "
+            "at once)"
+        )
+    else:
+        lines.append(f"  reserve: refuses to start: {reserve_infeasible_message(reserve)}")
+    return "\n".join(lines)
+
+
+def reserve_infeasible_message(plan: ReservePlan) -> str:
+    """Why a ``reserve`` engine refuses to start: the reservation and the
+    pool it leaves, against what one ``max_model_len`` sequence needs."""
+    short = [r for r in plan.reservations if r.pool_bytes_after < r.needed_bytes]
+    worst = min(short, key=lambda r: r.pool_bytes_after - r.needed_bytes)
+    return (
+        f"policy reserve: on rank {worst.rank}, reserving {worst.reserved_bytes:,} B of model-local KV "
+        f"(at max_num_seqs={plan.max_num_seqs}) leaves {worst.pool_bytes_after:,} B of the paged pool's "
+        f"{worst.pool_bytes_before:,} B, less than the {worst.needed_bytes:,} B one sequence of "
+        f"max_model_len={plan.max_model_len:,} needs ({worst.sequence_bytes:,} B + a {worst.block_bytes:,} B "
+        "null block). Lower --max-num-seqs or --max-model-len, give vLLM more memory, or use "
+        "--model-local-kv-policy cap"
+    )
 
 
 def _ledger_lines(plan: Plan) -> list[str]:

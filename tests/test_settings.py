@@ -34,7 +34,7 @@ def test_values_parse_sizes_with_units_and_plain_bytes():
     "config, expected",
     [
         ({"model_local_kv": "cap"}, "must be a dict"),
-        ({"model_local_kv": {"policy": "CAP"}}, "['policy'] = 'CAP' is invalid: choose from ['cap', 'warn', 'off']"),
+        ({"model_local_kv": {"policy": "CAP"}}, "['policy'] = 'CAP' is invalid: choose from ['cap', 'warn', 'off', 'reserve']"),
         ({"model_local_kv": {"headroom_bytes": "-1"}}, "['headroom_bytes']"),
         ({"model_local_kv": {"margin_bytes": "1 lightyear"}}, "['margin_bytes']"),
         ({"model_local_kv": {"margin_bytes": True}}, "['margin_bytes']"),
