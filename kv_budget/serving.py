@@ -57,7 +57,9 @@ class ApiServer:
     max_num_seqs: int = 256
     max_model_len: int = 256
     extra_args: list[str] = field(default_factory=list)
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str | None] = field(default_factory=dict)
+    """Added to this process's environment; None removes a variable (e.g.
+    ``VLLM_CPU_KVCACHE_SPACE``, which would win over ``--kv-cache-memory-bytes``)."""
     port: int = field(default_factory=free_port)
     startup_seconds: float | None = None
 
@@ -74,7 +76,8 @@ class ApiServer:
         ]
 
     def start(self, timeout: float = 300) -> ApiServer:
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), **self.env}
+        merged = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), **self.env}
+        env = {key: value for key, value in merged.items() if value is not None}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "w")
         began = time.monotonic()

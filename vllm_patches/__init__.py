@@ -20,7 +20,9 @@ What it does, in order:
    pool is allocated, before the Scheduler is built.
 5. ``engine_hook.patch_scheduler``: the Scheduler, once built, confirms it
    runs with the capped ``max_num_seqs``.
-6. Registers the demo architecture ``KvBudgetDemoForCausalLM`` (lazily: its
+6. ``pool_hook.patch_executor``: under ``reserve``, model-local KV comes
+   off the executor's memory figure before the paged pool is sized.
+7. Registers the demo architecture ``KvBudgetDemoForCausalLM`` (lazily: its
    module is imported only when a checkpoint names it).
 """
 
@@ -40,18 +42,21 @@ def register() -> None:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine.core import EngineCore
+    from vllm.v1.executor.abstract import Executor
 
     from kv_budget.demo_checkpoint import ARCHITECTURE
 
     from .cli_flags import patch_engine_args
     from .compat import check_vllm
     from .engine_hook import patch_engine_config_validation, patch_engine_core, patch_scheduler
+    from .pool_hook import patch_executor
 
     check_vllm()
     patch_engine_args(EngineArgs)
     patch_engine_config_validation(EngineArgs)
     patch_engine_core(EngineCore)
     patch_scheduler(Scheduler)
+    patch_executor(Executor)
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, DEMO_ARCHITECTURE_CLASS)
     _registered = True

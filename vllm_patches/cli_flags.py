@@ -51,6 +51,7 @@ def add_flags(parser):
     group.add_argument(
         "--model-local-kv-policy", choices=[p.value for p in Policy], default=argparse.SUPPRESS,
         help=f"cap: lower max_num_seqs to what fits, refuse to start if not one sequence fits; "
+        f"reserve: keep max_num_seqs, take model-local KV out of the paged KV pool before it is allocated; "
         f"warn: log the plan, change nothing; off: do nothing. Default: {DEFAULT_POLICY.value}.",
     )
     group.add_argument(

@@ -216,6 +216,8 @@ ARG_UTILS = "vllm.engine.arg_utils"
 ENGINE_CORE = "vllm.v1.engine.core"
 SCHEDULER_CONFIG = "vllm.config.scheduler"
 SCHEDULER = "vllm.v1.core.sched.scheduler"
+EXECUTOR = "vllm.v1.executor.abstract"
+KV_CACHE_INTERFACE = "vllm.v1.kv_cache_interface"
 
 
 @dataclass(frozen=True)
@@ -313,6 +315,28 @@ def _scheduler_built_after_kv_caches(source: VllmSource) -> str | None:
     return None
 
 
+def _pool_sized_from_available_memory(source: VllmSource) -> str | None:
+    """``_initialize_kv_caches`` takes the pool's memory figure from
+    ``model_executor.determine_available_memory()`` and only then hands the
+    pool to ``model_executor.initialize_from_config``: what ``reserve``
+    takes off the figure is what the pool is sized from."""
+    member = source.member(ENGINE_CORE, "EngineCore", "_initialize_kv_caches")
+    if member is None:
+        return "not found"
+
+    def executor_call(name: str) -> Callable[[ast.AST], bool]:
+        return lambda n: isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == name and (
+            _self_attribute(n.func.value, "model_executor"))
+
+    measured = _first_line(member.body, executor_call("determine_available_memory"))
+    allocated = _first_line(member.body, executor_call("initialize_from_config"))
+    if measured is None or allocated is None:
+        return "does not call model_executor.determine_available_memory() and initialize_from_config()"
+    if measured > allocated:
+        return "allocates the pool before determine_available_memory returns"
+    return None
+
+
 def _scheduler_copies_max_num_seqs(source: VllmSource) -> str | None:
     """``Scheduler.__init__`` sets ``max_num_running_reqs`` from
     ``self.scheduler_config.max_num_seqs``: the only place the cap takes
@@ -351,6 +375,19 @@ HOOK_POINTS = (
               _method(SCHEDULER_CONFIG, "SchedulerConfig", "get_scheduler_cls", "function", ("self",))),
     HookPoint("Scheduler.__init__ copies max_num_seqs into max_num_running_reqs", "the cap",
               _scheduler_copies_max_num_seqs),
+    HookPoint("Executor.determine_available_memory(self)", "policy reserve",
+              _exact_signature(EXECUTOR, "Executor", "determine_available_memory", ("self",))),
+    HookPoint("Executor.initialize_from_config(self, kv_cache_configs)", "policy reserve",
+              _exact_signature(EXECUTOR, "Executor", "initialize_from_config", ("self", "kv_cache_configs"))),
+    HookPoint("Executor.get_kv_cache_specs(self)", "policy reserve",
+              _exact_signature(EXECUTOR, "Executor", "get_kv_cache_specs", ("self",))),
+    HookPoint("Executor.collective_rpc(self, method, ..., args=...)", "policy reserve",
+              _method(EXECUTOR, "Executor", "collective_rpc", "function", ("self", "method"), ("args",))),
+    HookPoint("KVCacheSpec.max_memory_usage_bytes(self, vllm_config)", "policy reserve",
+              _exact_signature(KV_CACHE_INTERFACE, "KVCacheSpec", "max_memory_usage_bytes",
+                               ("self", "vllm_config"))),
+    HookPoint("EngineCore._initialize_kv_caches sizes the pool from determine_available_memory()",
+              "policy reserve", _pool_sized_from_available_memory),
 )
 """Everything :mod:`vllm_patches` relies on, in the order it patches."""
 

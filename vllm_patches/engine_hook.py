@@ -86,12 +86,18 @@ class ModelLocalKVOverrideError(ValueError):
     silently does nothing leaves the figure it was meant to fix."""
 
 
-def budget_on_worker(worker: Any, settings: dict, configured_max_num_seqs: int, sharers: int) -> dict:
+NO_HEADROOM_UNDER_RESERVE = "not sampled: policy reserve takes model-local KV out of the paged pool"
+
+
+def budget_on_worker(
+    worker: Any, settings: dict, configured_max_num_seqs: int, sharers: int, sample: bool = True,
+) -> dict:
     """Runs in every worker (``collective_rpc``): collect the loaded model's
     declarations, apply the operator's overrides, sample this worker's
-    device, and budget it. Returns plain JSON data (it crosses a process
-    boundary); a problem is reported in ``error`` / ``override_error`` for
-    the engine core to raise, with every rank's figures in hand."""
+    device (unless ``sample`` is False: ``reserve`` needs no headroom), and
+    budget it. Returns plain JSON data (it crosses a process boundary); a
+    problem is reported in ``error`` / ``override_error`` for the engine
+    core to raise, with every rank's figures in hand."""
     start = time.perf_counter()
     config = ModelLocalKVSettings.model_validate(settings)
     collection = collect_model_local_kv_specs(worker.model_runner.model)
@@ -106,7 +112,8 @@ def budget_on_worker(worker: Any, settings: dict, configured_max_num_seqs: int, 
     try:
         collection, unmatched = apply_overrides(collection, parse_overrides(config.overrides))
         result["unmatched_overrides"] = [o.text for o in unmatched]
-        headroom = _worker_headroom(worker, config, sharers)
+        headroom = _worker_headroom(worker, config, sharers) if sample else headroom_override(
+            0, NO_HEADROOM_UNDER_RESERVE)
         if config.ledger_dir != LEDGER_OFF:
             result["device"] = device_identity(worker.device.type, worker.device.index or 0)
         budget = budget_worker(collection, headroom, rank=worker.rank, max_num_seqs=configured_max_num_seqs)
@@ -147,6 +154,17 @@ def _write_report(path: str, plan: Plan, seconds: float, worker_seconds: list[fl
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(report, indent=2))
+
+
+def collect_budgets(core: Any, vllm_config: Any, settings: ModelLocalKVSettings, sample: bool = True) -> list[dict]:
+    """Every worker's budget (``budget_on_worker``), overrides checked."""
+    results = core.collective_rpc(
+        budget_on_worker,
+        args=(settings.model_dump(mode="json"), vllm_config.scheduler_config.max_num_seqs,
+              _workers_sharing_memory(vllm_config), sample),
+    )
+    _check_overrides(results)
+    return results
 
 
 def _check_overrides(results: list[dict]) -> None:
@@ -210,10 +228,10 @@ def _plan_on_shared_devices(
 
 def plan_after_kv_caches(core: Any, vllm_config: Any) -> Plan | None:
     """Collect, sample and plan on every worker, take the minimum, apply
-    the policy. Returns the plan (None under ``off``)."""
+    the policy. Returns the plan (None under ``off`` and ``reserve``)."""
     settings = settings_from_additional_config(vllm_config.additional_config)
-    if settings.policy is Policy.OFF:
-        return None
+    if settings.policy in (Policy.OFF, Policy.RESERVE):
+        return None  # reserve acted on the pool already (pool_hook)
     require_no_scheduler_yet(core)
     scheduler_config = vllm_config.scheduler_config
     scheduler_problem = scheduler_class_problem(scheduler_config)
@@ -223,11 +241,7 @@ def plan_after_kv_caches(core: Any, vllm_config: Any) -> Plan | None:
         logger.warning("kv-budget: %s (policy warn: nothing is changed)", scheduler_problem)
     configured = scheduler_config.max_num_seqs
     start = time.perf_counter()
-    results = core.collective_rpc(
-        budget_on_worker,
-        args=(settings.model_dump(mode="json"), configured, _workers_sharing_memory(vllm_config)),
-    )
-    _check_overrides(results)
+    results = collect_budgets(core, vllm_config, settings)
     errors = [f"rank {r['rank']}: {r['error']}" for r in results if r["error"]]
     if errors:
         message = (
