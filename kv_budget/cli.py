@@ -11,13 +11,15 @@ Exit codes (documented in the README, stable for scripts):
 * 0: the plan is ok, capped or warned; the audit found nothing dangerous.
 * 2: bad input (a one-line message names the problem; never a traceback).
 * 3: under ``--policy cap`` not even one sequence fits (with ``--deploy``:
-  some device does not fit).
+  some device does not fit); under ``--policy reserve`` the pool left
+  cannot hold one ``max_model_len`` sequence.
 * 4: the audit found an under-declared or undeclared cache.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -34,6 +36,7 @@ from .overrides import (
 from .planner import (
     Decision,
     Policy,
+    WorkerBudget,
     budget_worker,
     headroom_outside_requested,
     headroom_override,
@@ -41,7 +44,16 @@ from .planner import (
 )
 from .presets import PRESETS, preset_collection
 from .protocol import Collection
-from .report import deploy_infeasible_message, infeasible_message, render_deploy_table, render_plan_table
+from .pool_reserve import plan_reserve, reserve_out_of_pool
+from .report import (
+    deploy_infeasible_message,
+    infeasible_message,
+    render_choices,
+    render_deploy_table,
+    render_plan_table,
+    render_reserve_table,
+    reserve_infeasible_message,
+)
 from .specfile import SpecFileError, load_spec_file
 from .units import byte_size_argument, parse_byte_size
 
@@ -138,7 +150,19 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--max-num-seqs", type=_positive_int, default=None,
                       help="configured max_num_seqs (default 256)")
     plan.add_argument("--policy", choices=[p.value for p in Policy], default=Policy.CAP.value,
-                      help="cap (default), warn, or off (reports like warn)")
+                      help="cap (default), warn, off (reports like warn), or reserve (needs --kv-pool-bytes)")
+    pool = plan.add_argument_group(
+        "the paged KV pool (shows cap and reserve side by side; reserve needs them)")
+    pool.add_argument("--kv-pool-bytes", type=byte_size_argument, metavar="SIZE",
+                      help="what vLLM sizes the pool from: its startup line 'Available KV cache memory', or "
+                      "--kv-cache-memory-bytes")
+    pool.add_argument("--block-bytes", type=byte_size_argument, metavar="SIZE",
+                      help="one pool block across every KV layer: 2 x layers x kv_heads x head_dim x block_size "
+                      "x dtype bytes (per worker)")
+    pool.add_argument("--block-size", type=_positive_int, default=16, metavar="TOKENS",
+                      help="tokens per block (vLLM's --block-size; default 16)")
+    pool.add_argument("--max-model-len", type=_positive_int, metavar="TOKENS",
+                      help="vLLM's --max-model-len: one such sequence must still fit the pool")
     plan.add_argument("--json", action="store_true", help="print only the plan as JSON")
 
     audit = sub.add_parser(
@@ -171,6 +195,7 @@ _NOT_WITH_DEPLOY = (
     ("--margin-bytes", "margin_bytes", "the ledger uses vLLM-Omni's own 1 GiB margin and 1 GiB external reserve"),
     ("--gpu-memory-utilization", "gpu_memory_utilization", "each stage's comes from the deploy file"),
     ("--max-num-seqs", "max_num_seqs", "each stage's comes from the deploy file"),
+    ("--kv-pool-bytes", "kv_pool_bytes", "reserve is planned per engine: plan the stage's engine without --deploy"),
     ("--override", "override",
      ("OWNER/NAME would not say which stage it corrects; put the corrected declarations in a spec file "
       "and pass it with --stage-declarations STAGE=FILE")),
@@ -195,6 +220,14 @@ def _run_plan(args: argparse.Namespace) -> int:
         return EXIT_OK
     if args.spec_file is None and args.preset is None:
         raise _BadInput("give --spec-file FILE or --preset NAME (see --list-presets)")
+    pool_given = [args.kv_pool_bytes, args.block_bytes, args.max_model_len]
+    if any(v is not None for v in pool_given) and any(v is None for v in pool_given):
+        raise _BadInput("the pool needs all of --kv-pool-bytes SIZE, --block-bytes SIZE and --max-model-len TOKENS")
+    if args.policy == Policy.RESERVE.value and args.kv_pool_bytes is None:
+        raise _BadInput("--policy reserve takes model-local KV out of the paged pool: give --kv-pool-bytes SIZE, "
+                        "--block-bytes SIZE and --max-model-len TOKENS")
+    if args.policy == Policy.RESERVE.value and args.headroom_bytes is None and args.device_memory is None:
+        return _run_reserve_plan(args, None)
     if args.headroom_bytes is None and args.device_memory is None:
         raise _BadInput("give --headroom-bytes SIZE or --device-memory SIZE")
     if args.headroom_bytes is not None and args.margin_bytes is not None:
@@ -209,6 +242,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     else:
         headroom = headroom_outside_requested(args.device_memory, args.gpu_memory_utilization, args.margin_bytes)
     worker = budget_worker(collection, headroom, rank=0, max_num_seqs=args.max_num_seqs)
+    if args.kv_pool_bytes is not None:
+        return _run_reserve_plan(args, worker)
     plan = make_plan([worker], args.max_num_seqs, args.policy)
     if args.json:
         print(plan.model_dump_json(indent=2))
@@ -216,6 +251,45 @@ def _run_plan(args: argparse.Namespace) -> int:
         print(render_plan_table(plan))
     if plan.decision is Decision.INFEASIBLE:
         print(f"kv-budget: {infeasible_message(plan)}", file=sys.stderr)
+        return EXIT_INFEASIBLE
+    return EXIT_OK
+
+
+def _run_reserve_plan(args: argparse.Namespace, worker: WorkerBudget | None) -> int:
+    """Both choices at the given pool: what ``cap`` does to concurrency
+    (when a headroom was given) and what ``reserve`` does to the pool."""
+    if worker is None:
+        try:
+            collection = load_spec_file(args.spec_file) if args.spec_file else preset_collection(args.preset)
+        except SpecFileError as exc:
+            raise _BadInput(str(exc)) from None
+        collection = _with_overrides(collection, args.override)
+        worker = budget_worker(collection, headroom_override(0, "not used by reserve"), max_num_seqs=args.max_num_seqs)
+        cap_plan = None
+    else:
+        cap_plan = make_plan([worker], args.max_num_seqs, Policy.CAP)
+    blocks_per_sequence = -(-args.max_model_len // args.block_size)
+    reserve = plan_reserve(
+        [reserve_out_of_pool(worker, args.max_num_seqs, args.kv_pool_bytes, args.block_bytes,
+                             blocks_per_sequence * args.block_bytes)],
+        args.max_num_seqs, args.max_model_len, pool_source="--kv-pool-bytes",
+    )
+    if args.json:
+        print(json.dumps({"cap": cap_plan.model_dump(mode="json") if cap_plan else None,
+                          "reserve": reserve.model_dump(mode="json")}, indent=2))
+    else:
+        if cap_plan is not None:
+            print(render_plan_table(cap_plan))
+        print(render_reserve_table(reserve, worker))
+        print(render_choices(cap_plan, reserve))
+    chosen_infeasible = (
+        (args.policy == Policy.RESERVE.value and not reserve.feasible)
+        or (args.policy == Policy.CAP.value and cap_plan is not None and cap_plan.decision is Decision.INFEASIBLE)
+    )
+    if chosen_infeasible:
+        message = reserve_infeasible_message(reserve) if args.policy == Policy.RESERVE.value else (
+            infeasible_message(cap_plan))
+        print(f"kv-budget: {message}", file=sys.stderr)
         return EXIT_INFEASIBLE
     return EXIT_OK
 
@@ -274,6 +348,9 @@ def _run_deploy_plan(args: argparse.Namespace) -> int:
     for flag, attr, why in _NOT_WITH_DEPLOY:
         if getattr(args, attr):
             raise _BadInput(f"{flag} does not apply to --deploy: {why}")
+    if args.policy == Policy.RESERVE.value:
+        raise _BadInput("--policy reserve does not apply to --deploy: a deploy file is planned against each device's "
+                        "headroom; plan one stage's engine with --kv-pool-bytes to see what reserve would cost it")
     sizes = _device_sizes(args.device_memory_of)
     declarations = _stage_declarations(args.stage_declarations)
     try:

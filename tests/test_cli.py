@@ -221,3 +221,56 @@ def test_override_that_matches_nothing_exits_2_naming_the_declarations():
     bad = run("plan", "--preset", "minicpm-o-streaming", "--headroom-bytes", "1GiB",
               "--override", "thinker.apm/whisper_encoder_self_attn:rows_fixed=0")
     assert bad.returncode == EXIT_BAD_INPUT and "0 must be >= 1" in bad.stderr
+
+
+# --- cap and reserve side by side: --kv-pool-bytes ---
+
+POOL_FLAGS = ("--kv-pool-bytes", "40GiB", "--block-bytes", "2MiB", "--max-model-len", "4096")
+QWEN3_TTS_PER_SEQ = 2 * 2_326_528  # request row + working copy, bf16
+
+
+def test_pool_flags_show_cap_and_reserve_side_by_side():
+    result = run("plan", "--preset", "qwen3-tts-async-chunk", "--headroom-bytes", "1GiB", *POOL_FLAGS)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    reserved = 256 * QWEN3_TTS_PER_SEQ
+    blocks_before, blocks_after = 40 * 1024 // 2, (40 * 1024**3 - reserved) // (2 * 1024**2)
+    assert f"cap:     max_num_seqs 256 -> {1024**3 // QWEN3_TTS_PER_SEQ};" in out
+    assert (f"reserve: max_num_seqs stays 256; {reserved:,} B come out of the pool: "
+            f"{blocks_before:,} -> {blocks_after:,} blocks") in out
+    assert "paged pool: 42,949,672,960 B (40960.00 MiB) before (--kv-pool-bytes)" in out
+
+
+def test_reserve_alone_needs_no_headroom_and_its_json_has_the_pool_figures():
+    result = run("plan", "--json", "--preset", "qwen3-tts-async-chunk", "--policy", "reserve", *POOL_FLAGS)
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    assert document["cap"] is None
+    reserve = document["reserve"]
+    assert reserve["reserved_bytes"] == 256 * QWEN3_TTS_PER_SEQ
+    assert reserve["kv_pool_bytes_after"] == 40 * 1024**3 - reserve["reserved_bytes"]
+    assert reserve["blocks_per_sequence"] == 4096 // 16
+    assert reserve["max_concurrency_at_max_model_len"] == reserve["num_blocks_after"] / 256
+
+
+def test_reserve_that_leaves_no_room_for_one_sequence_exits_3():
+    result = run("plan", "--preset", "qwen3-tts-async-chunk", "--policy", "reserve",
+                 "--kv-pool-bytes", "1GiB", "--block-bytes", "2MiB", "--max-model-len", "4096")
+    assert result.returncode == 3
+    assert "policy reserve: on rank 0, reserving 1,191,182,336 B of model-local KV" in result.stderr
+
+
+@pytest.mark.parametrize("args, expected", [
+    (("--policy", "reserve", "--headroom-bytes", "1GiB"), "--policy reserve takes model-local KV out of the paged pool"),
+    (("--headroom-bytes", "1GiB", "--kv-pool-bytes", "40GiB"), "the pool needs all of --kv-pool-bytes SIZE"),
+])
+def test_reserve_without_the_pool_is_bad_input(args, expected):
+    result = run("plan", "--preset", "qwen3-tts-async-chunk", *args)
+    assert result.returncode == 2
+    assert expected in result.stderr and "Traceback" not in result.stderr
+
+
+def test_reserve_does_not_apply_to_a_deploy_file():
+    result = run("plan", "--deploy", "qwen3_tts.yaml", "--device-memory", "80GiB", "--policy", "reserve")
+    assert result.returncode == 2
+    assert "--policy reserve does not apply to --deploy" in result.stderr
