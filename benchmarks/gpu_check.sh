@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check, for a fresh single-GPU CUDA machine. Not part of `make test`.
 #
-#   bash benchmarks/gpu_check.sh [OUT_DIR]        # finishes within 10 minutes
+#   bash benchmarks/gpu_check.sh [OUT_DIR]        # finishes within 15 minutes
 #
 # 1. NVML and CUDA without vLLM (benchmarks/gpu_nvml_check.py): the real
 #    NVML sampler, by index and by UUID, and a real StaticCache on the GPU
@@ -11,6 +11,8 @@
 #    prints the plan, the measured peak model-local bytes and whether any
 #    request failed. The talker is made large (32768 positions, 128 MiB per
 #    sequence) so the cap bites against a measured H100/H200-sized headroom.
+# 3. cap vs reserve (benchmarks/bench_reserve.py, one round): policy reserve
+#    on a pool vLLM sized on the GPU.
 #
 # Installs what it needs into .venv-gpu (PyTorch from the machine where one
 # is installed, plus kv-budget with the `cuda` extra). Where the package
@@ -60,5 +62,20 @@ else
     echo "[gpu-check] step 2 SKIPPED: vLLM is not installed and could not be installed here"
 fi
 
-echo "[gpu-check] step 1 (NVML/CUDA): $([ "$step1" = 0 ] && echo PASS || echo FAIL); step 2 (demo): $step2; $(( $(date +%s) - start )) s"
-[ "$step1" = 0 ] && [ "$step2" != FAIL ]
+step3=SKIPPED
+if [ "$step2" != SKIPPED ]; then
+    # Policy reserve where the pool is sized from a real GPU profile: cap and
+    # reserve at the same 1 GiB KV budget (--kv-cache-memory-bytes), one round.
+    echo "[gpu-check] step 3: cap vs reserve at the same KV budget"
+    if timeout 300 $PY benchmarks/bench_reserve.py --rounds 1 --work "$OUT_DIR/reserve" \
+            --json "$OUT_DIR/reserve.json" 2>&1 | tee "$OUT_DIR/step3.log"; then
+        step3=PASS
+    else
+        step3=FAIL
+        tail -40 "$OUT_DIR/reserve/reserve/server.log" 2>/dev/null
+    fi
+fi
+
+echo "[gpu-check] step 1 (NVML/CUDA): $([ "$step1" = 0 ] && echo PASS || echo FAIL); step 2 (demo): $step2;" \
+    "step 3 (reserve): $step3; $(( $(date +%s) - start )) s"
+[ "$step1" = 0 ] && [ "$step2" != FAIL ] && [ "$step3" != FAIL ]
