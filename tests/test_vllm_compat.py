@@ -272,3 +272,39 @@ def test_a_scheduler_built_without_the_cap_is_named():
     problem = compat.scheduler_cap_problem("MyScheduler", 256, 90)
     assert "the Scheduler (MyScheduler) was built with max_num_running_reqs 256, not the capped max_num_seqs 90" in (
         problem)
+
+
+# --- vLLM-Omni's overrides of the methods policy reserve wraps ----------------
+
+def test_vllm_omnis_overrides_still_reach_the_reserve_hook():
+    """vLLM-Omni 0.30.0 overrides ``determine_available_memory`` on its
+    worker (reached through the executor's RPC, which the hook wraps) and
+    wraps the executor's in its phase lock, calling ``super()``: either way
+    the figure passes through vLLM's ``Executor`` method the hook patches."""
+    from kv_budget.omni.files import OmniFilesUnavailable, omni_root
+
+    try:
+        root = omni_root()
+    except OmniFilesUnavailable as exc:
+        pytest.skip(f"vLLM-Omni's files are not available: {exc}")
+    wrapped = ("determine_available_memory", "initialize_from_config")
+    found = {}
+    for path in sorted((root / "vllm_omni").rglob("*.py")):
+        for cls in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(cls, ast.ClassDef):
+                for method in cls.body:
+                    if isinstance(method, ast.FunctionDef) and method.name in wrapped:
+                        found[(path.relative_to(root).as_posix(), cls.name, method.name)] = (cls, method)
+    assert set(found) == {
+        ("vllm_omni/worker/base.py", "OmniGPUWorkerBase", "determine_available_memory"),
+        ("vllm_omni/worker/mixins.py", "OmniWorkerMixin", "initialize_from_config"),
+        ("vllm_omni/engine/stage_phase_lock.py", "_PhaseLockedExecutor", "determine_available_memory"),
+        ("vllm_omni/engine/stage_phase_lock.py", "_PhaseLockedExecutor", "initialize_from_config"),
+    }
+    for (_, class_name, name), (cls, method) in found.items():
+        if class_name == "_PhaseLockedExecutor":  # an executor subclass: must defer to vLLM's method
+            assert any(
+                isinstance(n, ast.Call) and ast.unparse(n.func) == f"super().{name}" for n in ast.walk(method)
+            ), name
+        else:  # a worker: runs inside the executor's collective_rpc
+            assert "Worker" in class_name
