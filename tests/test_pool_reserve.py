@@ -104,3 +104,26 @@ def test_a_model_without_a_paged_cache_cannot_reserve():
 def test_make_plan_refuses_reserve_rather_than_plan_it_as_warn():
     with pytest.raises(ValueError, match="policy reserve plans the paged pool"):
         make_plan([worker(spec("kv", 1))], 256, "reserve")
+
+
+def test_the_reservation_is_recorded_in_the_device_ledger_for_engines_that_sample_later(tmp_path):
+    """Two workers on one host device (the CPU build): their reservations are
+    summed under this engine's entry, which the ledger reads back."""
+    import json
+    from types import SimpleNamespace
+
+    from kv_budget.ledger import open_ledger
+    from kv_budget.settings import ModelLocalKVSettings
+    from vllm_patches.pool_hook import _record_in_ledger
+
+    workers = [worker(spec("kv", 100), rank=0), worker(spec("kv", 100), spec("postnet", 60), rank=1)]
+    plan = plan_reserve([reserve_out_of_pool(w, 256, GiB, BLOCK, SEQUENCE) for w in workers], 256, 256)
+    settings = ModelLocalKVSettings(policy="reserve", ledger_dir=str(tmp_path))
+    results = [{"rank": 0, "device": "host:test"}, {"rank": 1, "device": "host:test"}]
+    config = SimpleNamespace(model_config=SimpleNamespace(model="demo"))
+    _record_in_ledger(settings, results, plan, config)
+    (entry,) = json.loads((tmp_path / "host_test.json").read_text())
+    assert entry["reserved_bytes"] == 256 * 100 * ROW + 256 * 160 * ROW
+    assert entry["engine"].endswith("model demo")
+    with open_ledger(tmp_path, ["host:test"]) as ledger:
+        assert ledger.others("host:test") == []  # this process's own entry is not another engine's
