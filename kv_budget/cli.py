@@ -102,7 +102,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "plan",
         help="size max_num_seqs for a deployment before starting it",
         description="Plan max_num_seqs from declarations and a headroom, or every stage of a vLLM-Omni "
-        "deploy file (--deploy). Exit 0 ok/capped/warned, 2 bad input, 3 infeasible under --policy cap.",
+        "deploy file (--deploy). Exit 0 ok/capped/warned/reserved, 2 bad input, 3 infeasible under --policy cap "
+        "or reserve.",
     )
     source = plan.add_mutually_exclusive_group()
     source.add_argument("--spec-file", help="JSON list of declarations (protocol field names)")
