@@ -143,17 +143,33 @@ def _workers_sharing_memory(vllm_config: Any) -> int:
     return vllm_config.parallel_config.world_size if current_platform.is_cpu() else 1
 
 
-def _write_report(path: str, plan: Plan, seconds: float, worker_seconds: list[float]) -> None:
+def engine_label(vllm_config: Any) -> str:
+    """How this engine is named in the device ledger."""
+    return f"pid {os.getpid()}: model {vllm_config.model_config.model}"
+
+
+def ledger_directory(settings: ModelLocalKVSettings) -> Path:
+    return Path(settings.ledger_dir) if settings.ledger_dir else default_ledger_dir()
+
+
+def log_vllm() -> None:
     vllm = checked_vllm()
-    report = plan.model_dump(mode="json")
-    report["plugin_seconds"] = seconds
-    report["worker_seconds"] = worker_seconds
-    report["vllm_version"] = vllm.version
-    report["vllm_distribution"] = vllm.distribution
-    report["vllm_support"] = vllm.support
+    logger.info("kv-budget: vLLM %s (%s, support: %s)", vllm.version, vllm.distribution, vllm.support)
+
+
+def write_report(path: str, report: dict) -> None:
+    """Write a startup report (``cap``/``warn`` or ``reserve``) with the vLLM it ran on."""
+    vllm = checked_vllm()
+    report = {**report, "vllm_version": vllm.version, "vllm_distribution": vllm.distribution,
+              "vllm_support": vllm.support}
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(report, indent=2))
+    logger.info("kv-budget: startup plan written to %s", path)
+
+
+def _write_report(path: str, plan: Plan, seconds: float, worker_seconds: list[float]) -> None:
+    write_report(path, {**plan.model_dump(mode="json"), "plugin_seconds": seconds, "worker_seconds": worker_seconds})
 
 
 def collect_budgets(core: Any, vllm_config: Any, settings: ModelLocalKVSettings, sample: bool = True) -> list[dict]:
@@ -196,7 +212,7 @@ def _plan_on_shared_devices(
         if settings.share_bytes is not None:
             workers = [shared_budget(w, 0, "", settings.share_bytes) for w in workers]
         return make_plan(workers, configured, settings.policy)
-    directory = Path(settings.ledger_dir) if settings.ledger_dir else default_ledger_dir()
+    directory = ledger_directory(settings)
     keys = [device or "" for device in devices]
     per_device = Counter(keys)
     with open_ledger(directory, keys) as ledger:
@@ -253,11 +269,10 @@ def plan_after_kv_caches(core: Any, vllm_config: Any) -> Plan | None:
         logger.warning("%s; policy warn: max_num_seqs left at %d", message, configured)
         return None
     workers = [WorkerBudget.model_validate(r["budget"]) for r in results]
-    label = f"pid {os.getpid()}: model {vllm_config.model_config.model}"
-    plan = _plan_on_shared_devices(workers, [r.get("device") for r in results], settings, configured, label)
+    plan = _plan_on_shared_devices(
+        workers, [r.get("device") for r in results], settings, configured, engine_label(vllm_config))
     seconds = time.perf_counter() - start
-    vllm = checked_vllm()
-    logger.info("kv-budget: vLLM %s (%s, support: %s)", vllm.version, vllm.distribution, vllm.support)
+    log_vllm()
     for line in render_plan_table(plan).splitlines():
         logger.info("%s", line)
     logger.info(
@@ -265,7 +280,6 @@ def plan_after_kv_caches(core: Any, vllm_config: Any) -> Plan | None:
     )
     if settings.report_path:
         _write_report(settings.report_path, plan, seconds, [r["seconds"] for r in results])
-        logger.info("kv-budget: startup plan written to %s", settings.report_path)
     if plan.decision is Decision.INFEASIBLE:
         raise ModelLocalKVInfeasibleError(infeasible_message(plan))
     if plan.decision is Decision.CAPPED:
@@ -274,7 +288,7 @@ def plan_after_kv_caches(core: Any, vllm_config: Any) -> Plan | None:
         _caps_awaiting_scheduler[id(scheduler_config)] = plan.effective_max_num_seqs
         # vLLM checks max_num_active_seqs <= max_num_seqs only when the
         # config is built; keep it true for the Scheduler built next.
-        active = scheduler_config.max_num_active_seqs if vllm.features.max_num_active_seqs else None
+        active = scheduler_config.max_num_active_seqs if checked_vllm().features.max_num_active_seqs else None
         if active is not None and active > plan.effective_max_num_seqs:
             scheduler_config.max_num_active_seqs = plan.effective_max_num_seqs
             applied.append(f"max_num_active_seqs {active} -> {plan.effective_max_num_seqs}")

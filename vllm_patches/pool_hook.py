@@ -21,22 +21,25 @@ in the engine-core process, under ``reserve`` only:
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
-from pathlib import Path
 from typing import Any
 
-from kv_budget.ledger import default_ledger_dir, open_ledger
+from kv_budget.ledger import open_ledger
 from kv_budget.planner import Policy, WorkerBudget
 from kv_budget.pool_reserve import ReservePlan, plan_reserve, reserve_out_of_pool
 from kv_budget.report import render_reserve_table, reserve_infeasible_message
 from kv_budget.settings import LEDGER_OFF, ModelLocalKVSettings, settings_from_additional_config
 
 from .cli_flags import PATCH_MARK
-from .compat import checked_vllm
-from .engine_hook import ModelLocalKVInfeasibleError, collect_budgets
+from .engine_hook import (
+    ModelLocalKVInfeasibleError,
+    collect_budgets,
+    engine_label,
+    ledger_directory,
+    log_vllm,
+    write_report,
+)
 
 logger = logging.getLogger("vllm.kv_budget")
 
@@ -55,12 +58,11 @@ def _kv_layer_figures(executor: Any, vllm_config: Any) -> list[tuple[int, int]]:
     return figures
 
 
-def reserve_in_pool(executor: Any, available: list[int]) -> list[int]:
+def reserve_in_pool(executor: Any, available: list[int], settings: ModelLocalKVSettings) -> list[int]:
     """Under ``reserve``: the pool figures less each worker's model-local KV.
     Raises :class:`ModelLocalKVInfeasibleError` when a pool left cannot hold
     one ``max_model_len`` sequence."""
     vllm_config = executor.vllm_config
-    settings = settings_from_additional_config(vllm_config.additional_config)
     ignored = [flag for flag, value in (
         ("--model-local-kv-headroom", settings.headroom_bytes), ("--model-local-kv-margin", settings.margin_bytes),
         ("--model-local-kv-share", settings.share_bytes)) if value is not None]
@@ -124,20 +126,17 @@ def _record_in_ledger(settings: ModelLocalKVSettings, results: list[dict], plan:
     engine's model-local KV to come: record it, as ``cap`` records its peak."""
     if settings.ledger_dir == LEDGER_OFF:
         return
-    directory = Path(settings.ledger_dir) if settings.ledger_dir else default_ledger_dir()
     by_device: dict[str, int] = {}
     for result, reservation in zip(results, plan.reservations):
         device = result.get("device") or ""
         by_device[device] = by_device.get(device, 0) + reservation.reserved_bytes
-    label = f"pid {os.getpid()}: model {vllm_config.model_config.model}"
-    with open_ledger(directory, list(by_device)) as ledger:
+    with open_ledger(ledger_directory(settings), list(by_device)) as ledger:
         for device, reserved in by_device.items():
-            ledger.record(device, label, reserved)
+            ledger.record(device, engine_label(vllm_config), reserved)
 
 
 def _log_and_write(plan: ReservePlan, binding: WorkerBudget, settings: ModelLocalKVSettings, seconds: float) -> None:
-    vllm = checked_vllm()
-    logger.info("kv-budget: vLLM %s (%s, support: %s)", vllm.version, vllm.distribution, vllm.support)
+    log_vllm()
     for line in render_reserve_table(plan, binding).splitlines():
         logger.info("%s", line)
     logger.info("kv-budget: collect + reserve took %.3f s over %d worker(s)", seconds, len(plan.reservations))
@@ -156,14 +155,8 @@ def _log_and_write(plan: ReservePlan, binding: WorkerBudget, settings: ModelLoca
         "failures": [failure.model_dump(mode="json") for failure in binding.failures],
         **plan.model_dump(mode="json"),
         "plugin_seconds": seconds,
-        "vllm_version": vllm.version,
-        "vllm_distribution": vllm.distribution,
-        "vllm_support": vllm.support,
     }
-    target = Path(settings.report_path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps(report, indent=2))
-    logger.info("kv-budget: startup plan written to %s", settings.report_path)
+    write_report(settings.report_path, report)
 
 
 def patch_executor(executor_cls) -> None:
@@ -174,9 +167,10 @@ def patch_executor(executor_cls) -> None:
 
         def determine_available_memory(self):
             available = original_available(self)
-            if settings_from_additional_config(self.vllm_config.additional_config).policy is not Policy.RESERVE:
+            settings = settings_from_additional_config(self.vllm_config.additional_config)
+            if settings.policy is not Policy.RESERVE:
                 return available
-            return reserve_in_pool(self, available)
+            return reserve_in_pool(self, available, settings)
 
         setattr(determine_available_memory, PATCH_MARK, True)
         determine_available_memory.__wrapped__ = original_available  # type: ignore[attr-defined]
