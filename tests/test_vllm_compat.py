@@ -17,7 +17,11 @@ from vllm_patches.compat import (
     ARG_UTILS,
     ENGINE_CORE,
     EXECUTOR,
+    CORE_CLIENT,
+    ENGINE_MESSAGES,
+    GPU_WORKER,
     HOOK_POINTS,
+    METRICS_LOGGERS,
     KV_CACHE_INTERFACE,
     SCHEDULER,
     SCHEDULER_CONFIG,
@@ -29,7 +33,8 @@ from vllm_patches.compat import (
     support_of,
 )
 
-HOOK_MODULES = (ARG_UTILS, ENGINE_CORE, SCHEDULER_CONFIG, SCHEDULER, EXECUTOR, KV_CACHE_INTERFACE)
+HOOK_MODULES = (ARG_UTILS, ENGINE_CORE, SCHEDULER_CONFIG, SCHEDULER, EXECUTOR, KV_CACHE_INTERFACE, CORE_CLIENT,
+                ENGINE_MESSAGES, GPU_WORKER, METRICS_LOGGERS)
 PATCHED_METHODS = (
     (ARG_UTILS, "EngineArgs", "add_cli_args"),
     (ARG_UTILS, "EngineArgs", "from_cli_args"),
@@ -39,6 +44,10 @@ PATCHED_METHODS = (
     (SCHEDULER, "Scheduler", "__init__"),
     (EXECUTOR, "Executor", "determine_available_memory"),
     (EXECUTOR, "Executor", "initialize_from_config"),
+    (ENGINE_CORE, "EngineCore", "step"),
+    (ENGINE_CORE, "EngineCore", "step_with_batch_queue"),
+    (CORE_CLIENT, "MPClient", "_apply_ready_response"),
+    (GPU_WORKER, "Worker", "execute_model"),
 )
 
 
@@ -88,7 +97,11 @@ def test_the_live_reader_sees_past_kv_budgets_own_wrappers(installed_root):
 @pytest.mark.vllm
 def test_max_num_active_seqs_exists_from_031_on():
     version = compat.vllm_version()
-    assert detect_features(InstalledVllm()).max_num_active_seqs is (support_of(version).series != "0.30")
+    features = detect_features(InstalledVllm())
+    assert features.max_num_active_seqs is (support_of(version).series != "0.30")
+    # Admission stops at max_num_active_reqs where it exists, else at max_num_running_reqs.
+    assert features.admission_limit == ("max_num_running_reqs" if support_of(version).series == "0.30"
+                                        else "max_num_active_reqs")
 
 
 @pytest.mark.vllm
@@ -153,13 +166,31 @@ def _running_reqs_from_a_constant(cls: ast.ClassDef) -> None:
     raise AssertionError("Scheduler.__init__ sets no max_num_running_reqs")
 
 
+def _admission_by_equality(cls: ast.ClassDef) -> None:
+    """``len(running) == limit`` instead of ``>=``: a limit lowered below
+    what runs would never stop admission."""
+    for node in ast.walk(_method(cls, "schedule")):
+        if isinstance(node, ast.Compare):
+            node.ops = [ast.Eq() if isinstance(op, ast.GtE) else op for op in node.ops]
+
+
+def _rename_ready_payload(cls: ast.ClassDef) -> None:
+    _method(cls, "_apply_ready_response").args.args[1].arg = "message"
+
+
+def _relative(module: str, root: Path) -> Path:
+    """A module's file: ``a/b.py``, or ``a/b/__init__.py`` for a package."""
+    plain = Path(*module.split(".")).with_suffix(".py")
+    return plain if (root / plain).is_file() else Path(*module.split("."), "__init__.py")
+
+
 def _edited_copy(root: Path, destination: Path, module: str, cls: str, edit) -> VllmSourceTree:
     for name in HOOK_MODULES:
-        relative = Path(*name.split(".")).with_suffix(".py")
+        relative = _relative(name, root)
         (destination / relative).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(root / relative, destination / relative)
     if edit is not None:
-        path = destination / Path(*module.split(".")).with_suffix(".py")
+        path = destination / _relative(module, root)
         tree = ast.parse(path.read_text())
         edit(next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls))
         path.write_text(ast.unparse(tree))
@@ -193,6 +224,12 @@ def test_an_unedited_copy_passes(installed_root, tmp_path):
     (SCHEDULER, "Scheduler", _running_reqs_from_a_constant,
      "Scheduler.__init__ copies max_num_seqs into max_num_running_reqs (used by the cap): does not set "
      "self.max_num_running_reqs from self.scheduler_config.max_num_seqs"),
+    (SCHEDULER, "Scheduler", _admission_by_equality,
+     "Scheduler.schedule stops admitting at a '>=' limit (used by the live correction): does not stop "
+     "admitting with a '>= self.<limit>' check on any of max_num_active_reqs, max_num_running_reqs"),
+    (CORE_CLIENT, "MPClient", _rename_ready_payload,
+     "MPClient._apply_ready_response(self, payload) (used by the frontend learning the cap): is function "
+     "(self, message), not (self, payload)"),
 ])
 def test_a_broken_hook_point_refuses_naming_version_what_and_the_tested_versions(
     installed_root, tmp_path, module, cls, edit, expected,

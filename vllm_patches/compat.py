@@ -168,7 +168,10 @@ class InstalledVllm:
 
     def has_field(self, module: str, cls: str, name: str) -> bool:
         owner = self._class(module, cls)
-        return owner is not None and name in getattr(owner, "__dataclass_fields__", {})
+        if owner is None:
+            return False
+        # dataclasses (vLLM's configs) and msgspec Structs (its engine messages)
+        return name in getattr(owner, "__dataclass_fields__", {}) or name in getattr(owner, "__struct_fields__", ())
 
 
 class VllmSourceTree:
@@ -184,6 +187,8 @@ class VllmSourceTree:
         key = (module, cls)
         if key not in self._classes:
             path = self.root.joinpath(*module.split(".")).with_suffix(".py")
+            if not path.is_file():  # a package: its classes are in __init__.py
+                path = self.root.joinpath(*module.split("."), "__init__.py")
             found = None
             if path.is_file():
                 tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
@@ -218,6 +223,10 @@ SCHEDULER_CONFIG = "vllm.config.scheduler"
 SCHEDULER = "vllm.v1.core.sched.scheduler"
 EXECUTOR = "vllm.v1.executor.abstract"
 KV_CACHE_INTERFACE = "vllm.v1.kv_cache_interface"
+CORE_CLIENT = "vllm.v1.engine.core_client"
+ENGINE_MESSAGES = "vllm.v1.engine"
+GPU_WORKER = "vllm.v1.worker.gpu_worker"
+METRICS_LOGGERS = "vllm.v1.metrics.loggers"
 
 
 @dataclass(frozen=True)
@@ -355,6 +364,50 @@ def _scheduler_copies_max_num_seqs(source: VllmSource) -> str | None:
     return "does not set self.max_num_running_reqs from self.scheduler_config.max_num_seqs"
 
 
+ADMISSION_LIMITS = ("max_num_active_reqs", "max_num_running_reqs")
+"""The Scheduler attributes the admission check of ``schedule()`` may
+compare against, newest first: 0.31 added ``max_num_active_reqs`` (admission
+into RUNNING) beside ``max_num_running_reqs`` (the model runner's slots)."""
+
+
+def admission_limit(source: VllmSource) -> str | None:
+    """The attribute ``Scheduler.schedule`` stops admitting at, with
+    ``len(running) >= self.<attribute>`` (a ``>=``: a limit lowered below
+    what already runs stops admission and drops nobody), or None."""
+    member = source.member(SCHEDULER, "Scheduler", "schedule")
+    if member is None:
+        return None
+    compared = {
+        comparator.attr
+        for node in ast.walk(member.body) if isinstance(node, ast.Compare)
+        for op, comparator in zip(node.ops, node.comparators)
+        if isinstance(op, ast.GtE) and _self_attribute(comparator, comparator.attr if isinstance(
+            comparator, ast.Attribute) else "")
+    }
+    return next((name for name in ADMISSION_LIMITS if name in compared), None)
+
+
+def _admission_compares_a_limit(source: VllmSource) -> str | None:
+    if admission_limit(source) is None:
+        return f"does not stop admitting with a '>= self.<limit>' check on any of {', '.join(ADMISSION_LIMITS)}"
+    return None
+
+
+def _scheduler_tracks_requests(source: VllmSource) -> str | None:
+    """``Scheduler.__init__`` sets ``self.running`` (what runs) and
+    ``self.finished_req_ids`` (finished, not yet told to the workers): the
+    live monitor counts the sequences the workers may hold from them."""
+    member = source.member(SCHEDULER, "Scheduler", "__init__")
+    if member is None:
+        return "not found"
+    assigned = {
+        target.attr for node in ast.walk(member.body) if isinstance(node, (ast.Assign, ast.AnnAssign))
+        for target in _targets(node) if isinstance(target, ast.Attribute) and _self_attribute(target, target.attr)
+    }
+    missing = [name for name in ("running", "finished_req_ids") if name not in assigned]
+    return f"does not set self.{', self.'.join(missing)}" if missing else None
+
+
 HOOK_POINTS = (
     HookPoint("EngineArgs.add_cli_args(parser)", "the --model-local-kv-* flags",
               _method(ARG_UTILS, "EngineArgs", "add_cli_args", "staticmethod", ("parser",))),
@@ -388,6 +441,26 @@ HOOK_POINTS = (
                                ("self", "vllm_config"))),
     HookPoint("EngineCore._initialize_kv_caches sizes the pool from determine_available_memory()",
               "policy reserve", _pool_sized_from_available_memory),
+    HookPoint("EngineCore.step(self)", "live sampling",
+              _exact_signature(ENGINE_CORE, "EngineCore", "step", ("self",))),
+    HookPoint("EngineCore.step_with_batch_queue(self)", "live sampling",
+              _exact_signature(ENGINE_CORE, "EngineCore", "step_with_batch_queue", ("self",))),
+    HookPoint("Scheduler.__init__ sets running and finished_req_ids", "live sampling",
+              _scheduler_tracks_requests),
+    HookPoint("Scheduler.schedule stops admitting at a '>=' limit", "the live correction",
+              _admission_compares_a_limit),
+    HookPoint("MPClient._apply_ready_response(self, payload)", "the frontend learning the cap",
+              _exact_signature(CORE_CLIENT, "MPClient", "_apply_ready_response", ("self", "payload"))),
+    HookPoint("EngineCoreReadyResponse.max_num_seqs", "the frontend learning the cap",
+              _field(ENGINE_MESSAGES, "EngineCoreReadyResponse", "max_num_seqs")),
+    HookPoint("StatLoggerBase.__init__(self, vllm_config, engine_index)", "the figures on /metrics",
+              _method(METRICS_LOGGERS, "StatLoggerBase", "__init__", "function",
+                      ("self", "vllm_config", "engine_index"))),
+    HookPoint("StatLoggerBase.record(self, scheduler_stats, iteration_stats, ...)", "the figures on /metrics",
+              _method(METRICS_LOGGERS, "StatLoggerBase", "record", "function",
+                      ("self", "scheduler_stats", "iteration_stats"))),
+    HookPoint("Worker.execute_model(self, scheduler_output, ...)", "the demo architecture's request lifetimes",
+              _method(GPU_WORKER, "Worker", "execute_model", "function", ("self", "scheduler_output"))),
 )
 """Everything :mod:`vllm_patches` relies on, in the order it patches."""
 
@@ -400,11 +473,17 @@ class VllmFeatures:
     """``SchedulerConfig.max_num_active_seqs`` (0.31 and later): must stay
     <= ``max_num_seqs``, which vLLM checks only when the config is built,
     so the cap lowers it too. 0.30 has no such field."""
+    admission_limit: str
+    """The Scheduler attribute admission stops at (:func:`admission_limit`):
+    ``max_num_active_reqs`` from 0.31, ``max_num_running_reqs`` on 0.30,
+    where ``schedule()`` also asserts ``len(running) <= max_num_running_reqs``:
+    the live correction lowers that one step by step, never below what runs."""
 
 
 def detect_features(source: VllmSource) -> VllmFeatures:
     return VllmFeatures(
         max_num_active_seqs=source.has_field(SCHEDULER_CONFIG, "SchedulerConfig", "max_num_active_seqs"),
+        admission_limit=admission_limit(source) or "",
     )
 
 
