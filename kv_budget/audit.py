@@ -120,6 +120,7 @@ __all__ = [
     "measure_cache_bytes",
     "cache_breakdown",
     "audit_module",
+    "HeldBytes",
     "load_factory",
 ]
 
@@ -595,6 +596,99 @@ def _live_sequences(owner: str, caches: list[CacheEntry]) -> int:
     return min(counts) if counts else 0
 
 
+def _attribute(
+    paths: list[str], held: dict[str, list[tuple[str, str, Cache]]], declaring: Any,
+) -> tuple[dict[int, list[str]], dict[int, str]]:
+    """The attribution rule of the module docstring: ``holders`` (cache id
+    -> holder paths in walk order) and ``assigned`` (cache id -> owner)."""
+    holders: dict[int, list[str]] = {}
+    for path in paths:
+        for _, _, cache in held[path]:
+            holders.setdefault(id(cache), []).append(path)
+    assigned: dict[int, str] = {}
+    for cache_id, cache_holders in holders.items():
+        owners = [p for p in cache_holders if p in declaring]
+        if not owners:
+            owners = [p for p in declaring if _is_below(p, cache_holders[0])]
+        assigned[cache_id] = owners[0] if len(owners) == 1 else cache_holders[0]
+    return holders, assigned
+
+
+class HeldBytes:
+    """The bytes each declaring owner's caches hold now, for sampling while
+    a model serves (:mod:`kv_budget.live`).
+
+    The same finding, attribution and storage counting as
+    :func:`audit_module`, but over the declaring owners and their ancestors
+    only (an ancestor may hold a cache its declaring child is charged
+    with), found once when built: a sample then reads a handful of
+    modules' attributes, not the whole model's.
+    """
+
+    def __init__(self, module: Any, declaring_owners: list[str]) -> None:
+        root = unwrap_model(module)
+        self.owners = list(dict.fromkeys(declaring_owners))
+        wanted = set(self.owners)
+        self.holders = [
+            (path, obj) for path, obj in walk_modules(root)
+            if path in wanted or any(_is_below(owner, path) for owner in wanted)
+        ]
+        self._layer_others: dict[tuple[type, frozenset[str]], tuple[str, ...]] = {}
+
+    def measure(self) -> dict[str, int]:
+        """Bytes per declaring owner (0 when it holds none), each storage once."""
+        held = {path: _held_caches(obj) for path, obj in self.holders}
+        paths = [path for path, _ in self.holders]
+        _, assigned = _attribute(paths, held, set(self.owners))
+        result = {owner: 0 for owner in self.owners}
+        seen: set[tuple[str, int | None, int]] = set()
+        counted: set[int] = set()
+        for path in paths:
+            for _, _, cache in held[path]:
+                owner = assigned[id(cache)]
+                if owner in result and id(cache) not in counted:
+                    counted.add(id(cache))
+                    result[owner] += self._cache_bytes(cache, seen)
+        return result
+
+    def _cache_bytes(self, cache: Cache, seen: set[tuple[str, int | None, int]]) -> int:
+        """:func:`measure_cache_bytes` without the per-layer report: the
+        same refusals and the same storages, at a fraction of the cost
+        (a sample of 256 requests' caches took 38 ms through
+        :func:`_breakdown`, most of it building the report). A layer's
+        attributes are checked in full once per layer class and attribute
+        set; after that only its attributes outside the known KV and
+        bookkeeping ones are looked at again."""
+        total = 0
+        for _, layer in _parts(cache):
+            attributes = vars(layer)
+            signature = (type(layer), frozenset(attributes))
+            others = self._layer_others.get(signature)
+            if others is None:
+                _check_layer(layer)
+                others = self._layer_others[signature] = tuple(
+                    a for a in attributes if a not in _KV_ATTRIBUTES and a not in _BOOKKEEPING_ATTRIBUTES)
+            else:
+                for a in others:
+                    value = attributes[a]
+                    if isinstance(value, (torch.Tensor, list, tuple, dict)) and _tensors_in(value):
+                        _check_layer(layer)  # raises, naming the attribute
+            for attr in _KV_ATTRIBUTES:
+                value = attributes.get(attr)
+                if value is None:
+                    continue
+                if type(value) is torch.Tensor and value.layout == torch.strided and value.device.type != "meta":
+                    storage = value.untyped_storage()
+                    key = (value.device.type, value.device.index, storage.data_ptr())
+                    if key not in seen:
+                        seen.add(key)
+                        total += storage.nbytes()
+                    continue
+                for tensor in _tensors_in(value):
+                    total += _storage_bytes(tensor, seen)[0]
+        return total
+
+
 def audit_module(module: Any, max_num_seqs: int | None = None) -> AuditReport:
     """Compare every owner's declarations with the caches it holds now.
 
@@ -621,16 +715,7 @@ def audit_module(module: Any, max_num_seqs: int | None = None) -> AuditReport:
 
     owners = walk_modules(root)
     held = {path: _held_caches(obj) for path, obj in owners}
-    holders: dict[int, list[str]] = {}
-    for path, _ in owners:
-        for _, _, cache in held[path]:
-            holders.setdefault(id(cache), []).append(path)
-    assigned: dict[int, str] = {}
-    for cache_id, paths in holders.items():
-        declaring = [p for p in paths if p in specs_by_owner]
-        if not declaring:
-            declaring = [p for p in specs_by_owner if _is_below(p, paths[0])]
-        assigned[cache_id] = declaring[0] if len(declaring) == 1 else paths[0]
+    holders, assigned = _attribute([path for path, _ in owners], held, specs_by_owner)
     # Each cache once, seen from the owner itself when it holds the cache,
     # else from its first holder.
     caches_of: dict[str, list[tuple[str, str, str, Cache]]] = {}

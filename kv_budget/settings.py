@@ -16,6 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from .live import DEFAULT_SAMPLE_INTERVAL_S
 from .overrides import OverrideError, parse_overrides
 from .planner import Policy
 from .units import parse_byte_size
@@ -62,8 +63,15 @@ class ModelLocalKVSettings(BaseModel):
     engines that start later (stages of one deployment on one GPU); None:
     whatever the engines already running left."""
 
+    sample_interval_s: float = DEFAULT_SAMPLE_INTERVAL_S
+    """Seconds between live samples of model-local KV while serving
+    (:mod:`kv_budget.live`); 0 turns live sampling off."""
 
-_KNOWN = ("policy", "headroom_bytes", "margin_bytes", "report_path", "overrides", "ledger_dir", "share_bytes")
+
+_KNOWN = (
+    "policy", "headroom_bytes", "margin_bytes", "report_path", "overrides", "ledger_dir", "share_bytes",
+    "sample_interval_s",
+)
 
 
 def _where(key: str) -> str:
@@ -106,6 +114,13 @@ def settings_from_additional_config(additional_config: Any) -> ModelLocalKVSetti
         if not isinstance(raw["ledger_dir"], str) or not raw["ledger_dir"]:
             raise ValueError(f"{_where('ledger_dir')} = {raw['ledger_dir']!r} is invalid: expected a directory or 'off'")
         values["ledger_dir"] = raw["ledger_dir"]
+    if raw.get("sample_interval_s") is not None:
+        interval = raw["sample_interval_s"]
+        if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0 <= interval < float("inf"):
+            raise ValueError(
+                f"{_where('sample_interval_s')} = {interval!r} is invalid: expected seconds >= 0 (0: no live sampling)"
+            )
+        values["sample_interval_s"] = float(interval)
     if raw.get("overrides") is not None:
         texts = raw["overrides"]
         if not isinstance(texts, (list, tuple)):

@@ -427,6 +427,7 @@ def _api_server_cli(*args: str) -> subprocess.CompletedProcess:
         (["--model-local-kv-policy", "bogus"], "invalid choice: 'bogus' (choose from 'cap', 'warn', 'off', 'reserve')"),
         (["--model-local-kv-headroom", "12parsecs"], "unknown unit"),
         (["--model-local-kv-margin", "-1GiB"], "--model-local-kv-margin"),
+        (["--model-local-kv-sample-interval", "-1"], "expected seconds >= 0"),
     ],
 )
 def test_bad_flag_values_are_argparse_errors(args, expected):

@@ -45,6 +45,9 @@ def test_values_parse_sizes_with_units_and_plain_bytes():
         ({"model_local_kv": {"share_bytes": "half"}}, "['share_bytes']"),
         ({"model_local_kv": {"overrides": ["decoder/x:layers=none"]}}, "['overrides']: override 'decoder/x:layers=none'"),
         ({"model_local_kv": {"overrides": ["decoder:layers=2"]}}, "expected OWNER/NAME:FIELD=VALUE"),
+        ({"model_local_kv": {"sample_interval_s": -0.5}}, "['sample_interval_s'] = -0.5 is invalid"),
+        ({"model_local_kv": {"sample_interval_s": "1s"}}, "['sample_interval_s'] = '1s' is invalid"),
+        ({"model_local_kv": {"sample_interval_s": float("inf")}}, "['sample_interval_s'] = inf is invalid"),
     ],
 )
 def test_bad_values_raise_value_error_naming_the_key(config, expected):
@@ -64,3 +67,11 @@ def test_ledger_directory_and_share():
     settings = settings_from_additional_config({"model_local_kv": {"ledger_dir": "off", "share_bytes": "48MiB"}})
     assert settings.ledger_dir == "off" and settings.share_bytes == 48 * MiB
     assert settings_from_additional_config({}).ledger_dir is None  # the default runtime directory
+
+
+def test_sample_interval_defaults_to_the_measured_default_and_zero_turns_sampling_off():
+    from kv_budget.live import DEFAULT_SAMPLE_INTERVAL_S
+
+    assert settings_from_additional_config({}).sample_interval_s == DEFAULT_SAMPLE_INTERVAL_S
+    assert settings_from_additional_config({"model_local_kv": {"sample_interval_s": 0}}).sample_interval_s == 0.0
+    assert settings_from_additional_config({"model_local_kv": {"sample_interval_s": 0.25}}).sample_interval_s == 0.25

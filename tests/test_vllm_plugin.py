@@ -66,7 +66,7 @@ def test_flags_appear_once_on_vllms_parser_with_choices():
     flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--model-local-kv")]
     assert sorted(flags) == ["--model-local-kv-headroom", "--model-local-kv-ledger-dir", "--model-local-kv-margin",
                              "--model-local-kv-override", "--model-local-kv-policy", "--model-local-kv-report",
-                             "--model-local-kv-share"]
+                             "--model-local-kv-sample-interval", "--model-local-kv-share"]
     policy = next(a for a in parser._actions if "--model-local-kv-policy" in a.option_strings)
     assert list(policy.choices) == ["cap", "warn", "off", "reserve"]
 

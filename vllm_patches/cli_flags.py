@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 
+from kv_budget.live import DEFAULT_SAMPLE_INTERVAL_S
 from kv_budget.planner import Policy
 from kv_budget.settings import CONFIG_KEY, DEFAULT_POLICY
 from kv_budget.units import byte_size_argument
@@ -32,9 +33,20 @@ _FLAG_TO_KEY = {
     "model_local_kv_override": "overrides",
     "model_local_kv_ledger_dir": "ledger_dir",
     "model_local_kv_share": "share_bytes",
+    "model_local_kv_sample_interval": "sample_interval_s",
 }
 """argparse dest -> key in additional_config["model_local_kv"]."""
 
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected seconds >= 0 (0: no live sampling)")
+    return value
 
 
 def add_flags(parser):
@@ -77,6 +89,12 @@ def add_flags(parser):
         "--model-local-kv-share", type=byte_size_argument, default=argparse.SUPPRESS, metavar="SIZE",
         help="This engine's share of the device headroom (e.g. 4GiB), leaving the rest to engines that "
         "start later on the same device. Default: whatever the engines already running left.",
+    )
+    group.add_argument(
+        "--model-local-kv-sample-interval", type=_seconds, default=argparse.SUPPRESS, metavar="SECONDS",
+        help="Seconds between live samples of the bytes model-local caches hold while serving (an "
+        "under-declaration lowers the live limit under cap; leaks and absent caches are logged; figures on "
+        f"/metrics). 0 turns live sampling off. Default: {DEFAULT_SAMPLE_INTERVAL_S:g}.",
     )
     group.add_argument(
         "--model-local-kv-override", action="append", default=argparse.SUPPRESS,

@@ -1,0 +1,220 @@
+"""Live protection, without an engine: real transformers caches filled by
+real generation, measured by :class:`kv_budget.audit.HeldBytes`, judged by
+:class:`kv_budget.live.LiveMonitor` against a plan made from the owners'
+own declarations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from audit_models import generate_into, small_qwen2_config, tiny_lm
+from transformers import DynamicCache
+
+from kv_budget import budget_worker, headroom_override, make_plan
+from kv_budget.audit import HeldBytes, audit_module
+from kv_budget.live import DEAD_AFTER_COMPLETED, MAX_SAMPLING_FRACTION, LiveMonitor, WorkerSample, owner_expectations
+from kv_budget.protocol import RowDriver, Scope, collect_model_local_kv_specs, spec_from_hf_config
+
+PROMPT, NEW = 6, 5
+HELD_POSITIONS = PROMPT + NEW - 1  # generate never feeds back its last token
+CONFIG = small_qwen2_config()
+ROW_BYTES = 2 * CONFIG.num_hidden_layers * CONFIG.num_key_value_heads * 16 * HELD_POSITIONS * 4
+
+
+class RequestTalker(torch.nn.Module):
+    """Keeps one cache per request, filled by real generation, until told
+    the request finished: the shape of vLLM-Omni's talkers."""
+
+    def __init__(self, declared_positions: int = HELD_POSITIONS, frees: bool = True, allocates: bool = True) -> None:
+        super().__init__()
+        self.lm = tiny_lm(CONFIG)
+        self.declared_positions = declared_positions
+        self.frees = frees
+        self.allocates = allocates
+        self.caches: dict[str, DynamicCache] = {}
+
+    def start(self, request_id: str) -> None:
+        if self.allocates:
+            self.caches[request_id] = generate_into(self.lm, DynamicCache(), batch=1, prompt=PROMPT, new_tokens=NEW)
+
+    def finish(self, request_id: str) -> None:
+        if self.frees:
+            self.caches.pop(request_id, None)
+
+    def model_local_kv_specs(self):
+        return [spec_from_hf_config(
+            CONFIG, name="talker_request_kv", dtype=torch.float32,
+            physical_capacity_positions=self.declared_positions, capacity_source="test",
+            scope=Scope.REQUEST, rows=RowDriver.MAX_NUM_SEQS,
+        )]
+
+
+class Stage(torch.nn.Module):
+    def __init__(self, talker: RequestTalker) -> None:
+        super().__init__()
+        self.talker = talker
+
+
+def plan_for(stage: Stage, headroom: int, policy: str = "cap", max_num_seqs: int = 256):
+    worker = budget_worker(collect_model_local_kv_specs(stage), headroom_override(headroom), max_num_seqs=max_num_seqs)
+    return make_plan([worker], max_num_seqs, policy)
+
+
+def sample(stage: Stage, scanner: HeldBytes) -> list[WorkerSample]:
+    held = scanner.measure()
+    return [WorkerSample(rank=0, owners=[{"owner": o, "bytes": b} for o, b in held.items()], seconds=0.0)]
+
+
+def test_held_bytes_counts_what_the_audit_counts_for_the_declaring_owners():
+    stage = Stage(RequestTalker())
+    for i in range(3):
+        stage.talker.start(f"r{i}")
+    scanner = HeldBytes(stage, ["talker"])
+    assert scanner.measure() == {"talker": 3 * ROW_BYTES}
+    audit = {o.owner: o.measured_bytes for o in audit_module(stage).owners}
+    assert audit == {"talker": 3 * ROW_BYTES}
+    stage.talker.finish("r0")
+    assert scanner.measure() == {"talker": 2 * ROW_BYTES}
+
+
+def test_a_true_declaration_gives_no_finding_and_keeps_the_limit():
+    stage = Stage(RequestTalker())
+    plan = plan_for(stage, headroom=10 * ROW_BYTES)
+    assert plan.effective_max_num_seqs == 10
+    monitor, scanner = LiveMonitor(plan), HeldBytes(stage, ["talker"])
+    for i in range(10):
+        stage.talker.start(f"r{i}")
+    update = monitor.observe(sample(stage, scanner), running=10, finished_unfreed=0, completed=0, now=0.0)
+    assert update.findings == [] and update.lowered_limit is None
+    state = monitor.state()
+    assert state.limit == 10
+    assert state.ranks[0].bytes == state.ranks[0].peak_bytes == 10 * ROW_BYTES
+    assert state.ranks[0].owners[0].verdict == "ok"
+
+
+def test_finished_requests_not_yet_freed_are_not_an_under_declaration():
+    """Rows of requests that finished in the last step are freed on the
+    next: counted as held, they must not read as extra bytes per sequence."""
+    stage = Stage(RequestTalker())
+    monitor, scanner = LiveMonitor(plan_for(stage, headroom=100 * ROW_BYTES)), HeldBytes(stage, ["talker"])
+    for i in range(8):
+        stage.talker.start(f"r{i}")
+    update = monitor.observe(sample(stage, scanner), running=5, finished_unfreed=3, completed=3, now=0.0)
+    assert update.findings == []
+
+
+def test_under_declaration_under_cap_lowers_the_limit_to_what_the_measurement_allows():
+    declared = HELD_POSITIONS // 4  # a quarter of what each request keeps
+    stage = Stage(RequestTalker(declared_positions=declared))
+    declared_row = ROW_BYTES * declared // HELD_POSITIONS
+    headroom = 40 * declared_row
+    plan = plan_for(stage, headroom=headroom)
+    assert plan.effective_max_num_seqs == 40
+    monitor, scanner = LiveMonitor(plan), HeldBytes(stage, ["talker"])
+    for i in range(4):
+        stage.talker.start(f"r{i}")
+    update = monitor.observe(sample(stage, scanner), running=4, finished_unfreed=0, completed=0, now=0.0)
+    kinds = [f.kind for f in update.findings]
+    assert kinds == ["under-declared", "limit-lowered"]
+    assert update.findings[0].bytes == ROW_BYTES - declared_row
+    assert monitor.rank_per_seq_bytes(0) == ROW_BYTES
+    limit = headroom // ROW_BYTES  # 40 x 1,024 B // 5,120 B = 8
+    assert update.lowered_limit == limit == 8
+    assert f"max_num_seqs 40 -> {limit}" in update.findings[1].message
+    # Within the lowered limit the measured footprint stays in the headroom.
+    for i in range(4, limit):
+        stage.talker.start(f"r{i}")
+    monitor.observe(sample(stage, scanner), running=limit, finished_unfreed=0, completed=0, now=1.0)
+    state = monitor.state()
+    assert state.ranks[0].peak_bytes_within_limit == limit * ROW_BYTES <= headroom
+    assert state.limit == limit and state.corrections == 1
+    # The same excess again is not a new finding and never raises the limit.
+    update = monitor.observe(sample(stage, scanner), running=limit, finished_unfreed=0, completed=0, now=2.0)
+    assert update.findings == [] and update.lowered_limit is None and monitor.limit == limit
+
+
+def test_under_declaration_under_warn_is_reported_and_changes_nothing():
+    stage = Stage(RequestTalker(declared_positions=HELD_POSITIONS // 2))
+    plan = plan_for(stage, headroom=8 * ROW_BYTES, policy="warn", max_num_seqs=16)
+    monitor, scanner = LiveMonitor(plan), HeldBytes(stage, ["talker"])
+    for i in range(4):
+        stage.talker.start(f"r{i}")
+    update = monitor.observe(sample(stage, scanner), running=4, finished_unfreed=0, completed=0, now=0.0)
+    assert [f.kind for f in update.findings] == ["under-declared", "limit-lowered"]
+    assert update.lowered_limit is None and monitor.limit == 16
+    assert "policy warn: nothing is changed" in update.findings[1].message
+
+
+def test_rows_kept_after_every_request_finished_are_a_leak_with_their_bytes():
+    stage = Stage(RequestTalker(frees=False))
+    monitor, scanner = LiveMonitor(plan_for(stage, headroom=100 * ROW_BYTES)), HeldBytes(stage, ["talker"])
+    for i in range(3):
+        stage.talker.start(f"r{i}")
+        stage.talker.finish(f"r{i}")
+    update = monitor.observe(sample(stage, scanner), running=0, finished_unfreed=0, completed=3, now=0.0)
+    assert [(f.kind, f.bytes) for f in update.findings] == [("leak", 3 * ROW_BYTES)]
+    assert monitor.state().ranks[0].owners[0].verdict == "leak"
+    # Requests still waiting may legitimately hold rows: no leak then.
+    fresh = LiveMonitor(plan_for(stage, headroom=100 * ROW_BYTES))
+    update = fresh.observe(sample(stage, scanner), running=0, finished_unfreed=0, completed=3, now=0.0, waiting=2)
+    assert update.findings == []
+
+
+def test_a_declared_cache_that_never_holds_anything_is_reported_absent_after_enough_requests():
+    stage = Stage(RequestTalker(allocates=False))
+    monitor, scanner = LiveMonitor(plan_for(stage, headroom=100 * ROW_BYTES)), HeldBytes(stage, ["talker"])
+    early = monitor.observe(sample(stage, scanner), running=4, finished_unfreed=0,
+                            completed=DEAD_AFTER_COMPLETED - 1, now=0.0)
+    assert early.findings == []
+    late = monitor.observe(sample(stage, scanner), running=4, finished_unfreed=0,
+                           completed=DEAD_AFTER_COMPLETED, now=1.0)
+    assert [f.kind for f in late.findings] == ["declared-but-absent"]
+    assert "'talker'" in late.findings[0].message
+
+
+def test_invocation_scope_is_not_observable_between_steps():
+    stage = Stage(RequestTalker())
+    worker = budget_worker(collect_model_local_kv_specs(stage), headroom_override(10 * ROW_BYTES))
+    line = worker.declarations[0].model_copy(update={"scope": Scope.INVOCATION})
+    (expectation,) = owner_expectations(worker.model_copy(update={"declarations": [line]}))
+    assert not expectation.observable and expectation.invocation_per_seq_bytes == ROW_BYTES
+
+
+def test_sampling_is_due_by_interval_and_refuses_a_reserve_plan():
+    stage = Stage(RequestTalker())
+    monitor = LiveMonitor(plan_for(stage, headroom=10 * ROW_BYTES), sample_interval_s=2.0)
+    assert monitor.due(100.0)
+    monitor.observe([], running=0, finished_unfreed=0, completed=0, now=100.0)
+    assert not monitor.due(101.5) and monitor.due(102.0)
+    # A costly sample spaces the next one: at most MAX_SAMPLING_FRACTION of the time.
+    monitor.note_cost(0.05)
+    assert not monitor.due(102.0) and monitor.due(100.0 + 0.05 / MAX_SAMPLING_FRACTION)
+    assert monitor.state().sample_seconds_total == 0.05
+    assert not LiveMonitor(plan_for(stage, headroom=10 * ROW_BYTES), sample_interval_s=0).due(0.0)
+    with pytest.raises(ValueError, match="sample_interval_s"):
+        LiveMonitor(plan_for(stage, headroom=10 * ROW_BYTES), sample_interval_s=-1)
+
+
+def _whisper_owner():
+    from audit_models import WhisperDecoderOwner, whisper_config
+
+    owner = WhisperDecoderOwner(whisper_config(), max_decoder_tokens=6)
+    owner.run(batch=2)
+    return owner
+
+
+@pytest.mark.parametrize("build", [
+    "sliding", "ming", "whisper",
+], ids=["sliding-window cache", "static cache in a session", "encoder-decoder cache"])
+def test_the_sampler_counts_exactly_what_the_audit_counts(build):
+    """The sampler's lean counting must agree with the audit's per-layer
+    report on every cache kind the audit knows, owner by owner."""
+    from audit_models import build_ming_omni, build_sliding_declared_window_minus_one
+
+    model = {"sliding": build_sliding_declared_window_minus_one, "ming": build_ming_omni,
+             "whisper": _whisper_owner}[build]()
+    if build == "ming":
+        model.talker.run()
+    audited = {o.owner: o.measured_bytes for o in audit_module(model).owners if o.declarations}
+    assert audited and all(audited.values())
+    assert HeldBytes(model, list(audited)).measure() == audited
