@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["ARCHITECTURE", "TALKER_KEY", "DEFAULT_TALKER", "talker_bytes_per_row", "write_demo_checkpoint"]
+__all__ = ["ARCHITECTURE", "TALKER_KEY", "DEFAULT_TALKER", "LIFETIMES", "talker_bytes_per_row", "write_demo_checkpoint"]
 
 ARCHITECTURE = "KvBudgetDemoForCausalLM"
 TALKER_KEY = "kv_budget_talker"
@@ -33,6 +33,10 @@ DEFAULT_TALKER = {
     "postnet_positions": 64,
     "dtype": "float32",
     "declarer_raises": False,
+    "lifetime": "step",
+    "declared_positions": None,
+    "frees_finished": True,
+    "allocates": True,
 }
 """Talker geometry: 2 x 4 layers x 2 kv heads x 64 head_dim x 256 positions x
 4 B = 1 MiB per sequence, plus a one-layer postnet cache of 64 positions
@@ -40,20 +44,40 @@ DEFAULT_TALKER = {
 enough that 256 sequences (272 MiB) visibly exceed a small headroom, small
 enough to allocate every step on a CPU. ``declarer_raises`` makes the
 talker's declarer raise, to show that a broken declarer does not stop the
-engine."""
+engine.
+
+The switches that make a declaration wrong, for the live checks:
+
+* ``lifetime``: ``"step"`` builds the rows each forward step and frees them
+  on return (scope ``invocation``); ``"request"`` keeps one row per request
+  from its first step until vLLM reports it finished (scope ``request``),
+  as vLLM-Omni's talkers and codec decoders do. Only retained rows can be
+  seen by a sample between steps.
+* ``declared_positions``: declare this many positions for the talker cache
+  while allocating ``positions`` (an under-declaration); None declares the truth.
+* ``frees_finished``: False keeps a finished request's rows (a leak).
+* ``allocates``: False declares the cache and never builds it (a dead
+  declaration)."""
+
+LIFETIMES = ("step", "request")
 
 VOCAB = 512
 _SYLLABLES = ["ka", "to", "ri", "mo", "su", "ne", "la", "pi", "do", "ve", "zu", "ha"]
 
 
-def talker_bytes_per_row(talker: dict, tp_size: int = 1, last_rank: bool = True) -> int:
+def talker_bytes_per_row(talker: dict, tp_size: int = 1, last_rank: bool = True, declared: bool = False) -> int:
     """Bytes one sequence's talker rows take on one rank, by hand: the
-    figure a plan must reproduce. The talker's kv heads are sharded across
-    tensor-parallel ranks; the postnet lives on the last rank only."""
+    figure a plan must reproduce (``declared=True``: what the talker
+    declares, which ``declared_positions`` can make short). The talker's kv
+    heads are sharded across tensor-parallel ranks; the postnet lives on the
+    last rank only."""
     dtype_bytes = torch.empty((), dtype=getattr(torch, talker["dtype"])).element_size()
     head_dim = talker["hidden_size"] // talker["num_attention_heads"]
     kv_heads = talker["num_key_value_heads"] // tp_size
-    main = 2 * talker["num_hidden_layers"] * kv_heads * head_dim * talker["positions"] * dtype_bytes
+    positions = talker["positions"]
+    if declared and talker.get("declared_positions") is not None:
+        positions = talker["declared_positions"]
+    main = 2 * talker["num_hidden_layers"] * kv_heads * head_dim * positions * dtype_bytes
     postnet = 2 * 1 * talker["num_key_value_heads"] * head_dim * talker["postnet_positions"] * dtype_bytes
     return main + (postnet if last_rank else 0)
 
@@ -101,6 +125,8 @@ def write_demo_checkpoint(directory: str | Path, talker: dict | None = None) -> 
     if unknown:
         raise ValueError(f"unknown talker key(s) {unknown}; known: {sorted(settings)}")
     settings.update(talker or {})
+    if settings["lifetime"] not in LIFETIMES:
+        raise ValueError(f"talker lifetime {settings['lifetime']!r}: choose from {list(LIFETIMES)}")
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     _tokenizer(path)

@@ -8,6 +8,16 @@ works, and frees it when the step returns. So it declares scope
 ``invocation`` with ``max_num_seqs`` rows, and a step of N sequences holds
 exactly N rows.
 
+With ``lifetime: request`` in the checkpoint (the live checks use it) the
+talker instead keeps one row per request, in a dict keyed by request id,
+from the request's first step until vLLM reports it finished: scope
+``request``. Plain vLLM's model runner tells a model neither which requests
+a step carries nor which finished (vLLM-Omni's runners do, through
+``on_requests_finished``), so :mod:`vllm_patches.demo_requests` passes both to
+this architecture, and only to it, before each step. The switches that make
+its declaration wrong (``declared_positions``, ``frees_finished``,
+``allocates``) are described in :data:`kv_budget.demo_checkpoint.DEFAULT_TALKER`.
+
 It records what it really held (peak bytes, counted from the cache's
 storage, and the most sequences at once) and, when
 ``KV_BUDGET_DEMO_STATS_DIR`` is set, writes them to
@@ -35,7 +45,7 @@ from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 
 from kv_budget.audit import measure_cache_bytes
 from kv_budget.demo import STATS_DIR_ENV
-from kv_budget.demo_checkpoint import TALKER_KEY
+from kv_budget.demo_checkpoint import DEFAULT_TALKER, TALKER_KEY
 from kv_budget.protocol import ModelLocalKVSpec, RowDriver, Scope, spec_from_hf_config
 
 
@@ -79,33 +89,63 @@ class Talker(torch.nn.Module):
         self.head_dim = settings["hidden_size"] // settings["num_attention_heads"]
         self.has_postnet = tp_rank == tp_size - 1
         self.stats = {"rank": tp_rank, "peak_bytes": 0, "peak_sequences": 0}
+        self.lifetime = self._setting("lifetime")
+        self.request_kv: dict[str, DynamicCache] = {}
+        """Request lifetime: the talker rows of each request, by request id."""
+        self.request_postnet_kv: dict[str, DynamicCache] = {}
+        self.request_bytes: dict[str, int] = {}
+        self.scheduled: list[str] = []
+        """Request ids of the coming step (:meth:`begin_step`)."""
+
+    def _setting(self, key: str):
+        """A talker setting; checkpoints written before a key existed get its default."""
+        return self.settings.get(key, DEFAULT_TALKER[key])
+
+    def begin_step(self, scheduled: list[str], finished: set[str]) -> None:
+        """Before a step (request lifetime): the requests it carries, and
+        the requests vLLM reports finished, whose rows go (unless the
+        checkpoint makes the talker leak)."""
+        self.scheduled = scheduled
+        if self._setting("frees_finished"):
+            for request_id in finished:
+                self.request_kv.pop(request_id, None)
+                self.request_postnet_kv.pop(request_id, None)
+                self.request_bytes.pop(request_id, None)
 
     def model_local_kv_specs(self) -> list[ModelLocalKVSpec]:
         if self.settings["declarer_raises"]:
             raise RuntimeError("demo talker declarer configured to raise (declarer_raises=true)")
+        request = self.lifetime == "request"
+        declared = self._setting("declared_positions")
         specs = [
             spec_from_hf_config(
                 self.config,
-                name="talker_step_kv",
+                name="talker_request_kv" if request else "talker_step_kv",
                 dtype=self.dtype,
-                physical_capacity_positions=self.settings["positions"],
-                capacity_source=f"config {TALKER_KEY}.positions",
-                scope=Scope.INVOCATION,
+                physical_capacity_positions=self.settings["positions"] if declared is None else declared,
+                capacity_source=(
+                    f"config {TALKER_KEY}.positions" if declared is None
+                    else f"config {TALKER_KEY}.declared_positions (under-declared on purpose)"
+                ),
+                scope=Scope.REQUEST if request else Scope.INVOCATION,
                 rows=RowDriver.MAX_NUM_SEQS,
-                allocation_note="DynamicCache built each forward step, one row per sequence, freed on return",
+                allocation_note=(
+                    "DynamicCache per request, one row, kept until vLLM reports the request finished" if request
+                    else "DynamicCache built each forward step, one row per sequence, freed on return"
+                ),
             )
         ]
         if self.has_postnet:
             specs.append(
                 ModelLocalKVSpec(
-                    name="postnet_step_kv",
+                    name="postnet_request_kv" if request else "postnet_step_kv",
                     layers=1,
                     kv_heads=self.settings["num_key_value_heads"],
                     head_dim=self.head_dim,
                     dtype=self.dtype,
                     physical_capacity_positions=self.settings["postnet_positions"],
                     capacity_source=f"config {TALKER_KEY}.postnet_positions",
-                    scope=Scope.INVOCATION,
+                    scope=Scope.REQUEST if request else Scope.INVOCATION,
                     rows=RowDriver.MAX_NUM_SEQS,
                     allocation_note="unsharded; last tensor-parallel rank only",
                 )
@@ -126,6 +166,9 @@ class Talker(torch.nn.Module):
         rows = sequences_in_step()
         if not rows:
             return
+        if self.lifetime == "request":
+            self._hold_request_rows(device)
+            return
         caches = [DynamicCache()]
         self._fill(caches[0], rows, self.config.num_hidden_layers, self.config.num_key_value_heads,
                    self.settings["positions"], device)
@@ -137,6 +180,31 @@ class Talker(torch.nn.Module):
         if held > self.stats["peak_bytes"] or rows > self.stats["peak_sequences"]:
             self.stats["peak_bytes"] = max(self.stats["peak_bytes"], held)
             self.stats["peak_sequences"] = max(self.stats["peak_sequences"], rows)
+            self._write_stats()
+
+    def _hold_request_rows(self, device: torch.device) -> None:
+        """Give each request of this step its rows on its first step."""
+        if not self._setting("allocates"):
+            return
+        for request_id in self.scheduled:
+            if request_id in self.request_kv:
+                continue
+            cache = DynamicCache()
+            self._fill(cache, 1, self.config.num_hidden_layers, self.config.num_key_value_heads,
+                       self.settings["positions"], device)
+            self.request_kv[request_id] = cache
+            held = measure_cache_bytes(cache)
+            if self.has_postnet:
+                postnet = DynamicCache()
+                self._fill(postnet, 1, 1, self.settings["num_key_value_heads"], self.settings["postnet_positions"],
+                           device)
+                self.request_postnet_kv[request_id] = postnet
+                held += measure_cache_bytes(postnet)
+            self.request_bytes[request_id] = held
+        total = sum(self.request_bytes.values())
+        if total > self.stats["peak_bytes"] or len(self.request_kv) > self.stats["peak_sequences"]:
+            self.stats["peak_bytes"] = max(self.stats["peak_bytes"], total)
+            self.stats["peak_sequences"] = max(self.stats["peak_sequences"], len(self.request_kv))
             self._write_stats()
 
     def _write_stats(self) -> None:
@@ -163,3 +231,4 @@ class KvBudgetDemoForCausalLM(Qwen2ForCausalLM):
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
         self.talker.step(positions.device)
         return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds)
+
