@@ -25,14 +25,13 @@ allocated (its own startup line) with what the plan predicted.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from machine import loadavg, machine_info
+from machine import write_results
 
 from kv_budget.demo import DemoServer
 from kv_budget.demo_checkpoint import write_demo_checkpoint
@@ -112,13 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": args.rounds,
         "results": results,
         "seconds": time.time() - start,
-        "machine": machine_info(),
-        "loadavg_after": loadavg(),
     }
-    target = Path(args.json)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps(document, indent=2))
-    print(f"figures written to {target}")
+    write_results(args.json, document)
     return 0
 
 

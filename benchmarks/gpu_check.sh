@@ -13,6 +13,8 @@
 #    sequence) so the cap bites against a measured H100/H200-sized headroom.
 # 3. cap vs reserve (benchmarks/bench_reserve.py, one round): policy reserve
 #    on a pool vLLM sized on the GPU.
+# 4. live sampling's cost (benchmarks/bench_live.py, one round): 256 running
+#    requests each keeping cache rows on the GPU, sampling on and off.
 #
 # Installs what it needs into .venv-gpu (PyTorch from the machine where one
 # is installed, plus kv-budget with the `cuda` extra). Where the package
@@ -76,6 +78,18 @@ if [ "$step2" != SKIPPED ]; then
     fi
 fi
 
+step4=SKIPPED
+if [ "$step2" != SKIPPED ]; then
+    echo "[gpu-check] step 4: live sampling on and off at 256 running sequences"
+    if timeout 300 $PY benchmarks/bench_live.py --rounds 1 --work "$OUT_DIR/live" \
+            --json "$OUT_DIR/live.json" 2>&1 | tee "$OUT_DIR/step4.log"; then
+        step4=PASS
+    else
+        step4=FAIL
+        tail -40 "$OUT_DIR/live/on/server.log" 2>/dev/null
+    fi
+fi
+
 echo "[gpu-check] step 1 (NVML/CUDA): $([ "$step1" = 0 ] && echo PASS || echo FAIL); step 2 (demo): $step2;" \
-    "step 3 (reserve): $step3; $(( $(date +%s) - start )) s"
-[ "$step1" = 0 ] && [ "$step2" != FAIL ] && [ "$step3" != FAIL ]
+    "step 3 (reserve): $step3; step 4 (live): $step4; $(( $(date +%s) - start )) s"
+[ "$step1" = 0 ] && [ "$step2" != FAIL ] && [ "$step3" != FAIL ] && [ "$step4" != FAIL ]

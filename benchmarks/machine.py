@@ -6,10 +6,12 @@ load beside them, so both scripts store this next to their timings.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import sys
 from importlib import metadata
+from pathlib import Path
 
 
 def _cpu_model() -> str:
@@ -67,3 +69,13 @@ def machine_info() -> dict:
         "transformers": _version("transformers"),
         "kv_budget": _version("kv-budget"),
     }
+
+
+def write_results(path: str | Path, document: dict) -> Path:
+    """Write a benchmark's figures as JSON with the machine and its load
+    beside them (``machine``, ``loadavg_after``), and say where."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps({**document, "machine": machine_info(), "loadavg_after": loadavg()}, indent=2))
+    print(f"figures written to {target}")
+    return target
