@@ -6,7 +6,7 @@ GPU the figure is device-level free memory from NVML, not the caching
 allocator's view of this process: other processes on the device and memory
 torch has reserved but not returned are both real, and both are invisible to
 ``torch.cuda.memory_allocated``. On vLLM's CPU build the "device" is system
-memory, bounded by the cgroup (v2) limit when the process runs under one.
+memory, bounded by the cgroup (v1 or v2) limit when the process runs under one.
 
 Each sample carries a ``source`` string naming the call and the device, so a
 log line can be checked by hand with ``nvidia-smi`` or ``cat memory.max``.
@@ -27,6 +27,8 @@ __all__ = [
     "MemorySamplingError",
     "NvmlSampler",
     "CpuSampler",
+    "CgroupMemory",
+    "cgroup_memory",
     "nvml_index_for_torch_device",
     "sample_memory",
 ]
@@ -126,11 +128,26 @@ class NvmlSampler:
         except Exception as exc:  # NVMLError has many subclasses; all mean "no NVML"
             raise MemorySamplingError(f"NVML could not be initialised: {exc}") from exc
         try:
-            handle, label = nvml_index_for_torch_device(self._torch_index, nvml)
-            info = nvml.nvmlDeviceGetMemoryInfo(handle)
+            try:
+                handle, label = nvml_index_for_torch_device(self._torch_index, nvml)
+            except MemorySamplingError:
+                raise
+            except Exception as exc:  # an NVMLError from a handle lookup
+                raise MemorySamplingError(
+                    f"NVML could not find the device of cuda:{self._torch_index}: {type(exc).__name__}: {exc}"
+                ) from exc
+            try:
+                info = nvml.nvmlDeviceGetMemoryInfo(handle)
+            except Exception as exc:
+                raise MemorySamplingError(
+                    f"{label}: nvmlDeviceGetMemoryInfo failed: {type(exc).__name__}: {exc}") from exc
             process_bytes = None
             pid = os.getpid()
-            for proc in nvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            try:
+                processes = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+            except Exception:  # not supported in some containers: this process's share is unknown
+                processes = []
+            for proc in processes:
                 if proc.pid == pid and proc.usedGpuMemory is not None:
                     process_bytes = int(proc.usedGpuMemory)
             return MemorySample(
@@ -144,38 +161,93 @@ class NvmlSampler:
             nvml.nvmlShutdown()
 
 
-def _cgroup_dir(proc_root: Path, cgroup_root: Path) -> Path | None:
-    """The cgroup v2 directory of this process, from ``/proc/self/cgroup``
-    (the ``0::/path`` line); None where the host has no unified hierarchy."""
+CGROUP_V1_NO_LIMIT = 2**62
+"""cgroup v1 reports "no limit" as the largest page count times the page
+size (9,223,372,036,854,771,712 B on 4 KiB pages), not as a word: any limit
+at or above this is none."""
+
+
+@dataclass(frozen=True)
+class CgroupMemory:
+    """Where this process's memory controller keeps its limit and usage."""
+
+    version: str
+    """``"v1"`` (``memory.limit_in_bytes``, ``memory.usage_in_bytes``) or
+    ``"v2"`` (``memory.max``, ``memory.current``)."""
+    directory: Path
+
+    @property
+    def files(self) -> tuple[str, str]:
+        return ("memory.limit_in_bytes", "memory.usage_in_bytes") if self.version == "v1" else (
+            "memory.max", "memory.current")
+
+
+def _under(root: Path, path: str) -> Path:
+    """A cgroup path under its mount; inside a container the namespaced path
+    is often "/" or one the container cannot see, and the container's own
+    cgroup is the mount itself."""
+    directory = root / path.lstrip("/")
+    return directory if directory.is_dir() else root
+
+
+def cgroup_memory(proc_root: Path = Path("/proc"), cgroup_root: Path = Path("/sys/fs/cgroup")) -> CgroupMemory | None:
+    """This process's memory controller, from ``/proc/self/cgroup``.
+
+    A v1 line naming the ``memory`` controller (``4:memory:/path``) wins: on
+    a hybrid host (v1 controllers, plus a unified hierarchy holding none of
+    them, as on the machines this was built on) the ``0::/`` line exists
+    too, and reading v2 files there found nothing. Otherwise the ``0::/path``
+    line, under ``cgroup_root`` when it is a v2 mount (it has
+    ``cgroup.controllers``), else under ``cgroup_root/unified``. None where
+    neither is found."""
     try:
         lines = (proc_root / "self" / "cgroup").read_text().splitlines()
     except OSError:
         return None
+    unified: str | None = None
     for line in lines:
-        if line.startswith("0::"):
-            path = cgroup_root / line[3:].lstrip("/")
-            # Inside a container the namespaced path is often "/", which is
-            # the container's own cgroup mounted at cgroup_root.
-            return path if path.is_dir() else cgroup_root
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if "memory" in controllers.split(","):
+            return CgroupMemory("v1", _under(cgroup_root / "memory", path))
+        if parts[0] == "0" and controllers == "":
+            unified = path
+    if unified is None:
+        return None
+    for root in (cgroup_root, cgroup_root / "unified"):
+        if (root / "cgroup.controllers").is_file():
+            return CgroupMemory("v2", _under(root, unified))
     return None
 
 
-def _read_int(path: Path) -> int | None:
-    try:
-        text = path.read_text().strip()
-    except OSError:
+def _read_bytes(path: Path) -> int | None:
+    """A byte count from a cgroup file; None for "max" (v2's no limit).
+    Unreadable or malformed files raise :class:`OSError`/``ValueError``: the
+    caller names them."""
+    text = path.read_text().strip()
+    if text == "max":
         return None
-    return int(text) if text.isdigit() else None
+    if not text.isdigit():
+        raise ValueError(f"{path} holds {text[:40]!r}, not a byte count")
+    return int(text)
 
 
 class CpuSampler:
-    """System memory for vLLM's CPU build, bounded by a cgroup v2 limit.
+    """System memory for vLLM's CPU build, bounded by a cgroup memory limit
+    (v1 or v2) when the process runs under one.
 
     ``psutil.virtual_memory().available`` alone overstates what a process in
-    a container may use: the kernel kills it at ``memory.max`` long before
-    the host runs out. Where a limit is set, free = limit - memory.current,
-    and the smaller of the two readings wins. ``proc_root`` and
-    ``cgroup_root`` exist so tests can point at files they wrote.
+    a container may use: the kernel kills it at the cgroup limit long before
+    the host runs out. Where a limit is set, free = limit - usage (page cache
+    counts as used: conservative), and the smaller of that and psutil's
+    figure wins. A limit of "no limit" (v2 ``max``, v1's huge number) or one
+    above the host's memory leaves psutil's figure. Cgroup files that cannot
+    be read leave psutil's figure too, and the source says which file and
+    why, so the log shows the container limit was not applied.
+    ``proc_root`` and ``cgroup_root`` exist so tests can point at files they
+    wrote.
     """
 
     def __init__(self, proc_root: Path = Path("/proc"), cgroup_root: Path = Path("/sys/fs/cgroup")):
@@ -186,14 +258,20 @@ class CpuSampler:
         vm = psutil.virtual_memory()
         total, free = int(vm.total), int(vm.available)
         source = "psutil.virtual_memory (system memory)"
-        cgroup = _cgroup_dir(self._proc_root, self._cgroup_root)
+        cgroup = cgroup_memory(self._proc_root, self._cgroup_root)
         if cgroup is not None:
-            limit = _read_int(cgroup / "memory.max")  # "max" (no limit) reads as None
-            current = _read_int(cgroup / "memory.current")
-            if limit is not None and current is not None and limit < total:
-                total = limit
-                free = min(free, max(limit - current, 0))
-                source = f"cgroup v2 {cgroup}: memory.max - memory.current, capped by psutil"
+            limit_file, usage_file = cgroup.files
+            try:
+                limit = _read_bytes(cgroup.directory / limit_file)
+                usage = _read_bytes(cgroup.directory / usage_file)
+            except (OSError, ValueError) as exc:
+                source += f"; cgroup {cgroup.version} limit not applied: {type(exc).__name__}: {exc}"
+            else:
+                if limit is not None and limit < min(total, CGROUP_V1_NO_LIMIT) and usage is not None:
+                    total = limit
+                    free = min(free, max(limit - usage, 0))
+                    source = (f"cgroup {cgroup.version} {cgroup.directory}: {limit_file} - {usage_file}, "
+                              "capped by psutil")
         process_bytes = int(psutil.Process().memory_info().rss)
         return MemorySample(
             total_bytes=total,
@@ -227,6 +305,11 @@ def device_identity(device_type: str, torch_index: int = 0, nvml: Any | None = N
         handle, _ = nvml_index_for_torch_device(torch_index, nvml)
         uuid = nvml.nvmlDeviceGetUUID(handle)
         return uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+    except MemorySamplingError:
+        raise
+    except Exception as exc:  # an NVMLError from a lookup
+        raise MemorySamplingError(
+            f"NVML could not identify the device of cuda:{torch_index}: {type(exc).__name__}: {exc}") from exc
     finally:
         nvml.nvmlShutdown()
 

@@ -14,6 +14,7 @@ import pytest
 
 from kv_budget.memory import (
     CpuSampler,
+    cgroup_memory,
     MemorySamplingError,
     NvmlSampler,
     device_identity,
@@ -115,6 +116,55 @@ def test_nvml_hidden_process_usage_is_none_not_zero(monkeypatch):
     assert NvmlSampler(0, nvml=fake).sample().process_bytes is None
 
 
+class FailingNvml(FakeNvml):
+    """NVML that initialises but fails one call, as a broken driver or a
+    container without process accounting does."""
+
+    def __init__(self, failing: str):
+        super().__init__(DEVICES)
+        self.failing = failing
+
+    def __getattribute__(self, name):
+        if name == object.__getattribute__(self, "failing"):
+            def fail(*args):
+                raise RuntimeError(f"NVMLError_Unknown: {name}")
+            return fail
+        return object.__getattribute__(self, name)
+
+
+@pytest.mark.parametrize("failing, expected", [
+    ("nvmlDeviceGetMemoryInfo", "NVML device 0: nvmlDeviceGetMemoryInfo failed: RuntimeError: NVMLError_Unknown"),
+    ("nvmlDeviceGetHandleByIndex", "NVML could not find the device of cuda:0: RuntimeError"),
+])
+def test_nvml_call_failures_are_sampling_errors_naming_the_call(monkeypatch, failing, expected):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    fake = FailingNvml(failing)
+    with pytest.raises(MemorySamplingError) as info:
+        NvmlSampler(0, nvml=fake).sample()
+    assert expected in str(info.value)
+    assert fake.shutdowns == 1
+
+
+def test_nvml_without_process_accounting_still_samples(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    sample = NvmlSampler(0, nvml=FailingNvml("nvmlDeviceGetComputeRunningProcesses")).sample()
+    assert (sample.free_bytes, sample.process_bytes) == (10 * GiB, None)
+
+
+def test_nvml_maps_a_mig_uuid(monkeypatch):
+    mig = "MIG-4f0c5a9e-7d1b-5c2a-9f3e-1a2b3c4d5e6f"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", mig)
+    fake = FakeNvml([*DEVICES, (mig, 20 * GiB, 5 * GiB)])
+    sample = NvmlSampler(0, nvml=fake).sample()
+    assert sample.free_bytes == 5 * GiB and f"NVML MIG device {mig}" in sample.source
+
+
+def test_device_identity_lookup_failure_is_a_sampling_error(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with pytest.raises(MemorySamplingError, match="could not identify the device of cuda:0"):
+        device_identity("cuda", 0, nvml=FailingNvml("nvmlDeviceGetUUID"))
+
+
 def test_nvml_init_failure_is_a_sampling_error():
     fake = FakeNvml(DEVICES, init_error=RuntimeError("NVML Shared Library Not Found"))
     with pytest.raises(MemorySamplingError, match="NVML could not be initialised"):
@@ -132,14 +182,84 @@ def test_real_nvml_on_this_machine_fails_cleanly():
 
 
 def _cgroup(tmp_path: Path, limit: str, current: str) -> tuple[Path, Path]:
+    """A cgroup v2 host: the unified hierarchy mounted at the root."""
     proc = tmp_path / "proc" / "self"
     proc.mkdir(parents=True)
     (proc / "cgroup").write_text("0::/kv.slice\n")
+    (tmp_path / "cgroup").mkdir()
+    (tmp_path / "cgroup" / "cgroup.controllers").write_text("cpu io memory pids\n")
     group = tmp_path / "cgroup" / "kv.slice"
     group.mkdir(parents=True)
     (group / "memory.max").write_text(limit + "\n")
     (group / "memory.current").write_text(current + "\n")
     return tmp_path / "proc", tmp_path / "cgroup"
+
+
+def _cgroup_v1(tmp_path: Path, limit: str, usage: str, path: str = "/process_api/abc") -> tuple[Path, Path]:
+    """A hybrid host as this one: v1 controllers (memory among them) and an
+    empty unified hierarchy under ``unified``, so /proc/self/cgroup has a
+    ``0::/`` line too."""
+    proc = tmp_path / "proc" / "self"
+    proc.mkdir(parents=True)
+    (proc / "cgroup").write_text(f"9:name=systemd:/\n4:memory:{path}\n1:cpu,cpuacct:/\n0::/\n")
+    (tmp_path / "cgroup" / "unified").mkdir(parents=True)
+    (tmp_path / "cgroup" / "unified" / "cgroup.controllers").write_text("\n")
+    group = tmp_path / "cgroup" / "memory" / path.lstrip("/")
+    group.mkdir(parents=True)
+    (group / "memory.limit_in_bytes").write_text(limit + "\n")
+    (group / "memory.usage_in_bytes").write_text(usage + "\n")
+    return tmp_path / "proc", tmp_path / "cgroup"
+
+
+def test_cpu_sampler_honours_a_cgroup_v1_limit_on_a_hybrid_host(tmp_path):
+    proc, root = _cgroup_v1(tmp_path, str(4 * GiB), str(3 * GiB))
+    sample = CpuSampler(proc, root).sample()
+    assert sample.total_bytes == 4 * GiB
+    assert sample.free_bytes == min(GiB, psutil.virtual_memory().available)
+    assert sample.source.startswith(f"cgroup v1 {root / 'memory' / 'process_api' / 'abc'}: "
+                                    "memory.limit_in_bytes - memory.usage_in_bytes")
+
+
+def test_cgroup_v1_no_limit_is_the_huge_page_counter_maximum(tmp_path):
+    proc, root = _cgroup_v1(tmp_path, "9223372036854771712", str(GiB))
+    sample = CpuSampler(proc, root).sample()
+    assert sample.total_bytes == psutil.virtual_memory().total
+    assert sample.source == "psutil.virtual_memory (system memory)"
+
+
+def test_cgroup_v1_path_invisible_in_the_container_is_the_mount_itself(tmp_path):
+    proc, root = _cgroup_v1(tmp_path, str(2 * GiB), str(GiB), path="/")
+    (proc / "self" / "cgroup").write_text("4:memory:/kubepods/pod1/c1\n")
+    found = cgroup_memory(proc, root)
+    assert (found.version, found.directory) == ("v1", root / "memory")
+    assert CpuSampler(proc, root).sample().total_bytes == 2 * GiB
+
+
+@pytest.mark.parametrize("content, expected", [
+    (None, "IsADirectoryError"),
+    ("garbage", "holds 'garbage', not a byte count"),
+])
+def test_unreadable_cgroup_files_leave_system_memory_and_say_so(tmp_path, content, expected):
+    proc, root = _cgroup_v1(tmp_path, str(4 * GiB), str(GiB))
+    limit = root / "memory" / "process_api" / "abc" / "memory.limit_in_bytes"
+    limit.unlink()
+    if content is None:
+        limit.mkdir()  # unreadable as a file, even for root
+    else:
+        limit.write_text(content)
+    sample = CpuSampler(proc, root).sample()
+    assert sample.total_bytes == psutil.virtual_memory().total
+    assert "cgroup v1 limit not applied" in sample.source and expected in sample.source
+
+
+def test_this_hosts_cgroup_is_found_and_read():
+    """Whatever this machine runs (v1, v2 or hybrid), the sampler names it or psutil."""
+    found = cgroup_memory()
+    sample = CpuSampler().sample()
+    assert 0 < sample.free_bytes <= sample.total_bytes
+    if found is not None:
+        limit_file, _ = found.files
+        assert (found.directory / limit_file).is_file(), found
 
 
 def test_cpu_sampler_honours_a_cgroup_limit(tmp_path):

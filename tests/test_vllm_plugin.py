@@ -193,3 +193,18 @@ def test_argparse_namespace_without_flags_is_not_touched():
 
     merge_flags_into_additional_config(Args, argparse.Namespace())
     assert Args.additional_config == {"x": 1}
+
+
+def test_an_unwritable_report_path_warns_and_does_not_stop_the_engine(tmp_path, caplog):
+    from vllm_patches.engine_hook import write_report
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with caplog.at_level("WARNING", logger="vllm.kv_budget"):
+        assert write_report(str(blocker / "plan.json"), {"decision": "capped"}) is False
+    assert f"cannot write the startup plan to {blocker / 'plan.json'}" in caplog.text
+    assert "the plan is in this log" in caplog.text
+    written = tmp_path / "deep" / "plan.json"
+    assert write_report(str(written), {"decision": "capped"}) is True
+    report = json.loads(written.read_text())
+    assert report["decision"] == "capped" and report["vllm_version"] == compat.vllm_version()

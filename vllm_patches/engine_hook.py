@@ -158,15 +158,25 @@ def log_vllm() -> None:
     logger.info("kv-budget: vLLM %s (%s, support: %s)", vllm.version, vllm.distribution, vllm.support)
 
 
-def write_report(path: str, report: dict) -> None:
-    """Write a startup report (``cap``/``warn`` or ``reserve``) with the vLLM it ran on."""
+def write_report(path: str, report: dict) -> bool:
+    """Write a startup report (``cap``/``warn`` or ``reserve``) with the vLLM
+    it ran on; return whether it was written. A path that cannot be written
+    logs one warning and the engine starts: the plan the report would hold
+    is in the log already, and the protection does not depend on the file
+    (failing the start over a report path took a protected server down)."""
     vllm = checked_vllm()
     report = {**report, "vllm_version": vllm.version, "vllm_distribution": vllm.distribution,
               "vllm_support": vllm.support}
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps(report, indent=2))
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps(report, indent=2))
+    except OSError as exc:
+        logger.warning("kv-budget: cannot write the startup plan to %s (%s: %s); the plan is in this log",
+                       path, type(exc).__name__, exc)
+        return False
     logger.info("kv-budget: startup plan written to %s", path)
+    return True
 
 
 def _write_report(path: str, plan: Plan, seconds: float, worker_seconds: list[float]) -> None:
