@@ -429,7 +429,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return runners[args.command](args)
     except _BadInput as exc:
-        print(f"kv-budget {args.command}: error: {exc}", file=sys.stderr)
+        # One line, whatever the message was built from (a parser's error
+        # may span several): scripts read the first line only.
+        message = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        print(f"kv-budget {args.command}: error: {message}", file=sys.stderr)
         return EXIT_BAD_INPUT
 
 

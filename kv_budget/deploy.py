@@ -184,11 +184,14 @@ def _read_yaml(path: Path, source: _Source, key: str) -> dict[str, Any]:
     try:
         data = yaml.load(text, Loader=_Loader)  # _Loader is a SafeLoader
     except yaml.YAMLError as exc:
-        raise DeployError(f"{source.where()}: {path} is not YAML: {exc}") from None
+        which = "" if path == source.path else f"{path} "
+        # PyYAML's messages span lines (the problem, then where it is): one line.
+        raise DeployError(f"{source.where()}: {which}is not YAML: {' '.join(str(exc).split())}") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise DeployError(f"{source.where()}: {path} holds a {type(data).__name__}, not a mapping")
+        which = "" if path == source.path else f"{path} "
+        raise DeployError(f"{source.where()}: {which}holds a {type(data).__name__}, not a mapping")
     return data
 
 
