@@ -570,10 +570,17 @@ def collect_model_local_kv_specs(model: Any) -> Collection:
     specs: list[OwnedSpec] = []
     failures: list[DeclarerFailure] = []
     for path, module in _declaring_modules(root):
-        declarer = getattr(module, _DECLARER, None)
+        label = path or "<root>"
+        try:
+            # A property or __getattr__ may raise more than AttributeError:
+            # that too is this owner's failure, not the engine's.
+            declarer = getattr(module, _DECLARER, None)
+        except Exception as exc:  # noqa: BLE001 - see above
+            logger.warning("model_local_kv_specs of %s could not be read: %r; skipped", label, exc)
+            failures.append(DeclarerFailure(path, f"reading model_local_kv_specs raised {type(exc).__name__}: {exc}"))
+            continue
         if not callable(declarer):
             continue
-        label = path or "<root>"
         try:
             declared = declarer()
         except Exception as exc:  # noqa: BLE001 - any declarer bug is reported, not raised

@@ -331,3 +331,20 @@ def test_fast_owner_walk_keeps_named_modules_paths_order_and_dedup():
         slow = [(p, id(m)) for p, m in root.named_modules() if callable(getattr(m, "model_local_kv_specs", None))]
         assert [(p, id(m)) for p, m in _declaring_modules(root)] == slow
         assert slow  # the comparison is not vacuous
+
+
+class DeclarerBehindAProperty(torch.nn.Module):
+    """Reading the declarer itself raises something other than AttributeError."""
+
+    @property
+    def model_local_kv_specs(self):
+        raise KeyError("stage config not loaded")
+
+
+def test_a_declarer_that_cannot_even_be_read_is_that_owners_failure():
+    root = torch.nn.Sequential(DeclarerBehindAProperty(), Owner([make(name="ok")]))
+    collection = collect_model_local_kv_specs(root)
+    assert [o.spec.name for o in collection.specs] == ["ok"]
+    (failure,) = collection.failures
+    assert failure.owner == "0"
+    assert failure.error == "reading model_local_kv_specs raised KeyError: 'stage config not loaded'"
