@@ -81,6 +81,18 @@ class ModelLocalKVInfeasibleError(RuntimeError):
     engine refuses to start rather than fail on the first requests."""
 
 
+class ModelLocalKVPlanningError(ModelLocalKVInfeasibleError):
+    """A worker failed while collecting or budgeting (not a declarer: those
+    are recorded and planned around). Under ``cap`` and ``reserve`` the
+    engine refuses in one line naming the rank and the error, rather than
+    end in the RPC's traceback."""
+
+    def __init__(self, failures: list[str], policy: Policy) -> None:
+        self.failures = failures
+        super().__init__(f"kv-budget could not plan model-local KV ({'; '.join(failures)}); "
+                         f"policy {policy.value} refuses to start without a plan")
+
+
 class ModelLocalKVOverrideError(ValueError):
     """An operator override matches no declaration on any worker, or makes
     a declaration invalid. Raised under every policy: a correction that
@@ -100,17 +112,19 @@ def budget_on_worker(
     problem is reported in ``error`` / ``override_error`` for the engine
     core to raise, with every rank's figures in hand."""
     start = time.perf_counter()
-    config = ModelLocalKVSettings.model_validate(settings)
-    collection = collect_model_local_kv_specs(worker.model_runner.model)
     result: dict[str, Any] = {
         "rank": worker.rank,
         "budget": None,
         "error": None,
         "override_error": None,
-        "declarations": [declaration_label(owned.owner, owned.spec.name) for owned in collection.specs],
+        "failure": None,
+        "declarations": [],
         "unmatched_overrides": [],
     }
     try:
+        config = ModelLocalKVSettings.model_validate(settings)
+        collection = collect_model_local_kv_specs(worker.model_runner.model)
+        result["declarations"] = [declaration_label(owned.owner, owned.spec.name) for owned in collection.specs]
         collection, unmatched = apply_overrides(collection, parse_overrides(config.overrides))
         result["unmatched_overrides"] = [o.text for o in unmatched]
         headroom = _worker_headroom(worker, config, sharers) if sample else headroom_override(
@@ -123,6 +137,8 @@ def budget_on_worker(
         result["override_error"] = str(exc)
     except MemorySamplingError as exc:
         result["error"] = str(exc)
+    except Exception as exc:  # noqa: BLE001 - reported to the engine core, which refuses in one line
+        result["failure"] = f"{type(exc).__name__}: {exc}"
     result["seconds"] = time.perf_counter() - start
     return result
 
@@ -190,6 +206,9 @@ def collect_budgets(core: Any, vllm_config: Any, settings: ModelLocalKVSettings,
         args=(settings.model_dump(mode="json"), vllm_config.scheduler_config.max_num_seqs,
               _workers_sharing_memory(vllm_config), sample),
     )
+    failures = [f"rank {r['rank']}: {r['failure']}" for r in results if r["failure"]]
+    if failures:
+        raise ModelLocalKVPlanningError(failures, settings.policy)
     _check_overrides(results)
     return results
 
@@ -268,7 +287,14 @@ def plan_after_kv_caches(core: Any, vllm_config: Any) -> Plan | None:
         logger.warning("kv-budget: %s (policy warn: nothing is changed)", scheduler_problem)
     configured = scheduler_config.max_num_seqs
     start = time.perf_counter()
-    results = collect_budgets(core, vllm_config, settings)
+    try:
+        results = collect_budgets(core, vllm_config, settings)
+    except ModelLocalKVPlanningError as exc:
+        if settings.policy is Policy.CAP:
+            raise
+        logger.warning("kv-budget could not plan model-local KV (%s); policy warn: the engine starts unprotected, "
+                       "max_num_seqs left at %d", "; ".join(exc.failures), configured)
+        return None
     errors = [f"rank {r['rank']}: {r['error']}" for r in results if r["error"]]
     if errors:
         message = (
