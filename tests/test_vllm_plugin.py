@@ -33,6 +33,13 @@ def registered():
     vllm_patches.register()
 
 
+@pytest.fixture(autouse=True)
+def checked_vllm_restored(monkeypatch):
+    """Tests that fake ``vllm.__version__`` re-run the check, which keeps its
+    result for the process; a later test would read the fake version."""
+    monkeypatch.setattr(compat, "_checked", compat._checked)
+
+
 def test_entry_point_is_declared_for_vllm():
     (entry,) = [e for e in importlib.metadata.entry_points(group="vllm.general_plugins") if e.name == "kv_budget"]
     assert entry.value == "vllm_patches:register"
