@@ -10,6 +10,7 @@ per thread, all released together, so the scheduler sees them at once.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -19,12 +20,16 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["ApiServer", "ServerStartError", "LoadResult", "free_port", "send_completions"]
+__all__ = [
+    "ApiServer", "ServerStartError", "LoadResult", "StreamingResult", "free_port", "send_completions",
+    "send_streaming_completions",
+]
 
 HOST = "127.0.0.1"
 
@@ -139,6 +144,18 @@ class LoadResult:
         return self.output_tokens / self.seconds if self.seconds else 0.0
 
 
+def _completion_body(model: str, index: int, prompt_tokens: int, max_tokens: int) -> dict:
+    """Request ``index``'s body: a token-id prompt of its own, and
+    ``ignore_eos`` so it produces exactly ``max_tokens``."""
+    return {
+        "model": model,
+        "prompt": [3 + (index * 7 + j) % 400 for j in range(prompt_tokens)],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+    }
+
+
 def send_completions(
     url: str,
     model: str,
@@ -153,13 +170,7 @@ def send_completions(
     barrier = threading.Barrier(requests)
 
     def one(index: int) -> tuple[int, str | None]:
-        body = {
-            "model": model,
-            "prompt": [3 + (index * 7 + j) % 400 for j in range(prompt_tokens)],
-            "max_tokens": max_tokens,
-            "ignore_eos": True,
-            "temperature": 0.0,
-        }
+        body = _completion_body(model, index, prompt_tokens, max_tokens)
         request = urllib.request.Request(
             f"{url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
         )
@@ -183,4 +194,72 @@ def send_completions(
         output_tokens=sum(tokens for tokens, _ in results),
         seconds=seconds,
         errors=errors[:10],
+    )
+
+
+@dataclass
+class StreamingResult:
+    requests: int
+    completed: int
+    """Streams read to ``data: [DONE]``."""
+    aborted: int
+    """Streams the client closed on purpose, mid-stream."""
+    failed: int
+    seconds: float
+    errors: list[str]
+
+
+def send_streaming_completions(
+    url: str,
+    model: str,
+    requests: int = 256,
+    abort_every: int = 2,
+    abort_after_chunks: int = 2,
+    prompt_tokens: int = 16,
+    max_tokens: int = 64,
+    timeout: float = 600,
+) -> StreamingResult:
+    """Send ``requests`` concurrent streaming ``/v1/completions`` calls;
+    every ``abort_every``-th client closes its connection after
+    ``abort_after_chunks`` chunks, as a user who walks away does (vLLM sees
+    the disconnect and aborts the request). The others read to the end."""
+    address = urllib.parse.urlsplit(url)
+    barrier = threading.Barrier(requests)
+
+    def one(index: int) -> tuple[str, str | None]:
+        body = json.dumps({**_completion_body(model, index, prompt_tokens, max_tokens), "stream": True})
+        abort = abort_every > 0 and index % abort_every == abort_every - 1
+        connection = http.client.HTTPConnection(address.hostname, address.port, timeout=timeout)
+        barrier.wait()
+        try:
+            connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            response = connection.getresponse()
+            if response.status != 200:
+                return "failed", f"request {index}: HTTP {response.status}: {response.read()[:200]!r}"
+            chunks = 0
+            for line in response:
+                if not line.startswith(b"data: "):
+                    continue
+                if line.strip() == b"data: [DONE]":
+                    return "completed", None
+                chunks += 1
+                if abort and chunks >= abort_after_chunks:
+                    return "aborted", None
+            return "failed", f"request {index}: the stream ended without [DONE] after {chunks} chunks"
+        except Exception as exc:  # noqa: BLE001 - every failure is counted and reported
+            return "failed", f"request {index}: {type(exc).__name__}: {exc}"
+        finally:
+            connection.close()
+
+    began = time.monotonic()
+    with ThreadPoolExecutor(max_workers=requests) as pool:
+        results = list(pool.map(one, range(requests)))
+    outcomes = [outcome for outcome, _ in results]
+    return StreamingResult(
+        requests=requests,
+        completed=outcomes.count("completed"),
+        aborted=outcomes.count("aborted"),
+        failed=outcomes.count("failed"),
+        seconds=time.monotonic() - began,
+        errors=[error for _, error in results if error][:10],
     )

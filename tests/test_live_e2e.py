@@ -26,7 +26,7 @@ import pytest
 from kv_budget.demo import DemoServer, read_peak_stats
 from kv_budget.demo_checkpoint import DEFAULT_TALKER, talker_bytes_per_row, write_demo_checkpoint
 from kv_budget.live import DEAD_AFTER_COMPLETED
-from kv_budget.serving import LoadResult, send_completions
+from kv_budget.serving import LoadResult, StreamingResult, send_completions, send_streaming_completions
 from kv_budget.status import STATUS_DIR_ENV, read_status, status_path
 from kv_budget.units import MiB
 
@@ -50,9 +50,15 @@ class LiveRun:
     stats: dict[int, dict]
     scrapes: list[str]
     """/metrics bodies read while the load ran."""
+    streaming: StreamingResult | None = None
+    """A second load on the same server: streams, half closed by their clients mid-stream."""
+    after_streaming: LoadResult | None = None
+    final_metrics: str = ""
+    """/metrics read after every load."""
 
 
-def _serve(talker: dict, workdir: Path, policy: str, requests: int, scrape: bool = False) -> LiveRun:
+def _serve(talker: dict, workdir: Path, policy: str, requests: int, scrape: bool = False,
+           abort_half: bool = False) -> LiveRun:
     checkpoint = write_demo_checkpoint(workdir / "checkpoint", talker)
     status_dir = workdir / "status"
     run = DemoServer.create(checkpoint, workdir, ["--model-local-kv-policy", policy, *FLAGS])
@@ -74,16 +80,29 @@ def _serve(talker: dict, workdir: Path, policy: str, requests: int, scrape: bool
         done.set()
         if scrape:
             scraper.join(timeout=30)
+        streaming = after = None
+        if abort_half:
+            streaming = send_streaming_completions(run.server.url, str(checkpoint), requests=256)
+            after = send_completions(run.server.url, str(checkpoint), requests=8)
         time.sleep(2)  # the idle sample follows the last request
+        with urllib.request.urlopen(f"{run.server.url}/metrics", timeout=10) as response:
+            final_metrics = response.read().decode()
     status = read_status(status_path(status_dir, str(checkpoint), 0))
     assert status is not None, run.server.log_text()[-3000:]
     return LiveRun(load, run.server.log_text(), status.model_dump(mode="json"), read_peak_stats(run.stats_dir),
-                   scrapes)
+                   scrapes, streaming, after, final_metrics)
+
+
+def _metric(body: str, name: str) -> float:
+    """The sum of ``name`` over its label sets in a /metrics body."""
+    values = re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", body, re.M)
+    assert values, f"{name} is not on /metrics"
+    return sum(float(value) for value in values)
 
 
 @pytest.fixture(scope="module")
 def under_run(tmp_path_factory) -> LiveRun:
-    return _serve(UNDER, tmp_path_factory.mktemp("under"), "cap", 256, scrape=True)
+    return _serve(UNDER, tmp_path_factory.mktemp("under"), "cap", 256, scrape=True, abort_half=True)
 
 
 def test_under_declared_cap_answers_all_256_requests(under_run):
@@ -119,7 +138,19 @@ def test_what_the_model_holds_within_the_live_limit_stays_in_the_headroom(under_
     assert STARTUP_CAP * TRUE_PER_SEQ > HEADROOM
 
 
+def test_clients_closing_half_the_streams_lose_no_other_request(under_run):
+    streaming = under_run.streaming
+    assert (streaming.completed, streaming.aborted, streaming.failed) == (128, 128, 0), streaming.errors
+    # vLLM aborted the closed streams rather than generating them to the end.
+    every_token = (256 + 256 + 8) * 64
+    assert _metric(under_run.final_metrics, "vllm:generation_tokens_total") < every_token - 128 * 32
+    # And the server keeps serving after them.
+    assert (under_run.after_streaming.completed, under_run.after_streaming.failed) == (8, 0)
+
+
 def test_after_the_load_the_model_holds_nothing_and_no_leak_is_reported(under_run):
+    """After a load, and after half of a streaming load was aborted by its
+    clients: aborted requests' rows are freed like finished ones."""
     live = under_run.status["live"]
     assert live["running_sequences"] == 0 and live["ranks"][0]["bytes"] == 0
     assert not [line for line in under_run.log.splitlines() if "kv-budget: live:" in line and line.endswith(": leak")]
