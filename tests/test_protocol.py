@@ -348,3 +348,74 @@ def test_a_declarer_that_cannot_even_be_read_is_that_owners_failure():
     (failure,) = collection.failures
     assert failure.owner == "0"
     assert failure.error == "reading model_local_kv_specs raised KeyError: 'stage config not loaded'"
+
+
+class Blocks(torch.nn.Module):
+    """A declarer that waits on something that does not come (a lock, a
+    remote call) until the test releases it."""
+
+    def __init__(self, release):
+        super().__init__()
+        self.release = release
+
+    def model_local_kv_specs(self):
+        self.release.wait(30)
+        return [make(name="late")]
+
+
+def test_a_slow_declarer_is_named_and_the_collection_ends_at_its_time_limit(caplog):
+    import threading
+    import time
+
+    release = threading.Event()
+    root = torch.nn.Sequential(Owner([make(name="first")]), Blocks(release), Owner([make(name="after")]))
+    began = time.monotonic()
+    with caplog.at_level(logging.WARNING):
+        collection = collect_model_local_kv_specs(root, time_limit_s=0.2)
+    assert time.monotonic() - began < 5
+    release.set()
+    assert [o.spec.name for o in collection.specs] == ["first"]
+    slow, skipped = collection.failures
+    assert (slow.owner, slow.error) == ("1", "did not return within the collection's time limit of 0.2 s")
+    assert (skipped.owner, skipped.error) == ("2", "not asked: the collection's time limit of 0.2 s was spent "
+                                                   "waiting for 1")
+    assert "model_local_kv_specs() of 1 did not return within 0.2 s" in caplog.text
+
+
+def test_declarers_within_the_time_limit_are_all_asked():
+    root = torch.nn.Sequential(*(Owner([make(name=f"kv{i}")]) for i in range(50)))
+    collection = collect_model_local_kv_specs(root, time_limit_s=30)
+    assert [o.spec.name for o in collection.specs] == [f"kv{i}" for i in range(50)]
+    assert collection.failures == ()
+
+
+def test_a_name_declared_twice_by_one_owner_is_made_distinct_and_both_are_kept(caplog):
+    owner = Owner([make(name="kv"), make(name="kv", layers=3), make(name="kv#2")])
+    root = torch.nn.Sequential(owner, Owner([make(name="kv")]))
+    with caplog.at_level(logging.WARNING):
+        collection = collect_model_local_kv_specs(root)
+    assert [(o.owner, o.spec.name) for o in collection.specs] == [
+        ("0", "kv"), ("0", "kv#3"), ("0", "kv#2"), ("1", "kv")]
+    # The renamed one is the second declaration, bytes unchanged.
+    assert collection.specs[1].spec.layers == 3
+    assert "0 declares 'kv' more than once; this one is planned and reported as 'kv#3'" in caplog.text
+
+
+def test_a_declarer_whose_sequence_raises_part_way_keeps_what_came_before():
+    def declarations():
+        yield make(name="before")
+        raise RuntimeError("stage not ready")
+
+    collection = collect_model_local_kv_specs(Owner(declarations()))
+    assert [o.spec.name for o in collection.specs] == ["before"]
+    (failure,) = collection.failures
+    assert failure.error == "iterating its declarations raised RuntimeError: stage not ready"
+
+
+def test_a_renamed_duplicate_is_what_an_override_names():
+    from kv_budget.overrides import apply_overrides, parse_overrides
+
+    collection = collect_model_local_kv_specs(Owner([make(name="kv"), make(name="kv")]))
+    corrected, unmatched = apply_overrides(collection, parse_overrides(["<root>/kv#2:physical_capacity_positions=16"]))
+    assert unmatched == []
+    assert [o.spec.physical_capacity_positions for o in corrected.specs] == [8, 16]
