@@ -8,6 +8,13 @@ engine-core and worker processes) is isolated and fully torn down. Usage:
 
 Prints ``RESULT {json}`` as its last line: requests completed and output
 tokens. An engine that refuses to start exits non-zero with vLLM's error.
+
+Faults for the reliability tests are injected here, on the test's side, not
+in the plugin: ``KV_BUDGET_TEST_FAULT='{"kind": ..., "rank": N}'`` patches
+one function. vLLM's CPU build starts the engine core and its workers with
+``spawn``, which imports this file again as the main module of each of
+those processes, so the patch is made in every process before any planning
+or sampling runs.
 """
 
 from __future__ import annotations
@@ -15,6 +22,41 @@ from __future__ import annotations
 import json
 import os
 import sys
+
+FAULT_ENV = "KV_BUDGET_TEST_FAULT"
+
+
+def install_fault(kind: str, rank: int = 0) -> None:
+    """``planning_raises``: the worker of ``rank`` raises inside the planning
+    RPC. ``sampling_fails``: that worker cannot sample its device memory.
+    ``live_sample_raises``: every live sample fails in the workers."""
+    if kind in ("planning_raises", "sampling_fails"):
+        from kv_budget.memory import MemorySamplingError
+        from vllm_patches import engine_hook
+
+        original = engine_hook._worker_headroom
+
+        def headroom(worker, config, sharers):
+            if worker.rank != rank:
+                return original(worker, config, sharers)
+            if kind == "planning_raises":
+                raise RuntimeError(f"injected fault on rank {rank}")
+            raise MemorySamplingError(f"injected: no memory figure on rank {rank}")
+
+        engine_hook._worker_headroom = headroom
+    elif kind == "live_sample_raises":
+        from kv_budget.audit import HeldBytes
+
+        def measure(self):
+            raise RuntimeError("injected live sample fault")
+
+        HeldBytes.measure = measure
+    else:
+        raise ValueError(f"unknown fault {kind!r}")
+
+
+if os.environ.get(FAULT_ENV):
+    install_fault(**json.loads(os.environ[FAULT_ENV]))
 
 if __name__ == "__main__":
     spec = json.loads(sys.argv[1])

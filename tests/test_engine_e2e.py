@@ -412,6 +412,67 @@ def test_reserve_with_two_workers_takes_each_workers_own_bytes(reserve_tp2_run):
         assert stats["peak_bytes"] <= expected[rank]
 
 
+# --- faults inside the engine (injected by engine_llm_run.py's KV_BUDGET_TEST_FAULT) ---
+
+def _faulty_env(kind: str, rank: int = 0, **extra: str) -> dict:
+    return {**os.environ, "KV_BUDGET_TEST_FAULT": json.dumps({"kind": kind, "rank": rank}), **extra}
+
+
+def _kv_budget_lines(output: str) -> list[str]:
+    return [line for line in output.splitlines() if "kv-budget" in line]
+
+
+def test_a_worker_failing_in_the_planning_rpc_refuses_under_cap_in_one_line(checkpoint, tmp_path):
+    run = _run_llm(checkpoint, tmp_path, {"policy": "cap"}, env=_faulty_env("planning_raises"),
+                   requests=4, max_tokens=2)
+    assert run.returncode != 0 and run.result is None
+    expected = ("kv-budget could not plan model-local KV (rank 0: RuntimeError: injected fault on rank 0); "
+                "policy cap refuses to start without a plan")
+    assert [line for line in run.output.splitlines() if line.endswith(expected)], run.output[-3000:]
+
+
+def test_a_worker_failing_in_the_planning_rpc_under_warn_starts_unprotected_and_says_so(checkpoint, tmp_path):
+    run = _run_llm(checkpoint, tmp_path, {"policy": "warn"}, env=_faulty_env("planning_raises"),
+                   requests=32, max_tokens=4)
+    assert run.returncode == 0, run.output[-3000:]
+    assert run.result["completed"] == 32
+    assert ("kv-budget could not plan model-local KV (rank 0: RuntimeError: injected fault on rank 0); "
+            "policy warn: the engine starts unprotected, max_num_seqs left at 256") in run.output
+    assert run.report is None  # no plan was made; none is pretended
+
+
+def test_tensor_parallel_with_one_rank_unable_to_sample_refuses_under_cap_naming_that_rank(checkpoint, tmp_path):
+    env = _faulty_env("sampling_fails", rank=1, VLLM_CPU_OMP_THREADS_BIND="0|1")
+    run = _run_llm(checkpoint, tmp_path, {"policy": "cap"}, env=env,
+                   llm_kwargs={"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
+                   requests=4, max_tokens=2)
+    assert run.returncode != 0 and run.result is None
+    expected = ("kv-budget could not measure device memory (rank 1: injected: no memory figure on rank 1); "
+                "pass --model-local-kv-headroom SIZE to plan against an explicit headroom")
+    assert [line for line in run.output.splitlines() if line.endswith(expected)], run.output[-3000:]
+
+
+def test_live_sampling_and_status_failures_leave_the_startup_cap_and_every_request(checkpoint, tmp_path):
+    """Each live sample fails in the worker and the status directory cannot
+    be created: one warning each, the startup cap stays, no step fails."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    env = _faulty_env("live_sample_raises", KV_BUDGET_STATUS_DIR=str(blocker / "status"))
+    run = _run_llm(checkpoint, tmp_path / "run", {"policy": "cap", "headroom_bytes": "96MiB",
+                                                  "sample_interval_s": 0.2}, env=env, requests=256, max_tokens=8)
+    assert run.returncode == 0, run.output[-3000:]
+    assert run.result["completed"] == 256
+    assert run.report["effective_max_num_seqs"] == CAP
+    lines = _kv_budget_lines(run.output)
+    stopped = [line for line in lines if "live sampling stopped" in line]
+    assert len(stopped) == 1, lines
+    assert stopped[0].endswith(f"live sampling stopped (the startup limit {CAP} stays in force): "
+                               "rank 0: RuntimeError: injected live sample fault")
+    assert len([line for line in lines if f"cannot write the status file in {blocker / 'status'}" in line]) == 1
+    (stats,) = run.stats.values()
+    assert stats["peak_sequences"] <= CAP
+
+
 # --- flags on the real parsers ---
 
 def _api_server_cli(*args: str) -> subprocess.CompletedProcess:
