@@ -206,3 +206,24 @@ def test_every_sample_carries_exactly_its_specs_labels(live_status):
         assert all(isinstance(v, str) and v for v in sample.labels.values())
     series = [(s.name, tuple(sorted(s.labels.items()))) for s in samples]
     assert len(series) == len(set(series))
+
+
+def test_figures_beyond_64_bits_survive_the_status_file_and_render(tmp_path):
+    """Bytes no device has (a declaration of 2^63 B per sequence against a
+    2^64 B headroom) go through the status file exactly and come out as
+    the floats Prometheus samples are, never an overflow."""
+    huge = ModelLocalKVSpec(
+        name="huge", layers=2**20, kv_heads=2**10, head_dim=2**10, dtype=torch.float32,
+        physical_capacity_positions=2**20, capacity_source="test", scope="request", rows="max_num_seqs")
+    assert huge.bytes_per_row == 2**63
+    worker = budget_worker(Collection((OwnedSpec("talker", huge),), ()), headroom_override(2**64 + 5), rank=0,
+                           max_num_seqs=256)
+    plan = make_plan([worker], 256, "cap")
+    assert plan.effective_max_num_seqs == 2
+    status = read_status(write_status(tmp_path, EngineStatus(engine_index=0, model="m", pid=1, updated_unix_s=1.0,
+                                                              plan=plan)))
+    assert status.plan.workers[0].headroom.bytes == 2**64 + 5
+    samples = status_samples(status)
+    assert value(samples, "kv_budget:headroom_bytes", rank="0") == float(2**64 + 5)
+    assert value(samples, "kv_budget:declaration_peak_bytes", rank="0", owner="talker", name="huge") == 2.0**64
+    assert all(isinstance(s.value, float) for s in samples)
