@@ -4,8 +4,9 @@
 #   bash benchmarks/gpu_check.sh [OUT_DIR]        # finishes within 15 minutes
 #
 # 1. NVML and CUDA without vLLM (benchmarks/gpu_nvml_check.py): the real
-#    NVML sampler, by index and by UUID, and a real StaticCache on the GPU
-#    whose declared, audited and allocated bytes must agree.
+#    NVML sampler, by index and by UUID, a real StaticCache on the GPU
+#    whose declared, audited and allocated bytes must agree, and a declarer
+#    asked from the collector's thread on the caller's CUDA device.
 # 2. The demo with NVML-measured headroom: a real vLLM api_server with the
 #    plugin under --model-local-kv-policy cap, 256 concurrent requests; it
 #    prints the plan, the measured peak model-local bytes and whether any

@@ -11,6 +11,9 @@ checks the real one:
    tiny Qwen2 on the GPU: the declaration, the audit's storage count, and
    the CUDA allocator's growth must agree (25,165,824 B), and NVML's free
    memory must drop by at least that much.
+3. The collector asks declarers from a helper thread (its time limit): a
+   declarer there sees the caller's CUDA device, the last one visible, not
+   device 0.
 
 Prints each figure with its source and writes JSON to ``$OUT`` (or the
 directory given). Exit 1 on any mismatch.
@@ -87,6 +90,22 @@ def main() -> int:
     checks.append(("declared == measured (ming talker StaticCache on CUDA)", spec.bytes_per_row == measured == 25_165_824))
     checks.append(("allocator grew by at least the cache", grown >= measured))
     checks.append(("NVML free dropped by at least the cache", free_drop >= measured))
+    from kv_budget.protocol import collect_model_local_kv_specs
+
+    class DeviceDeclarer(torch.nn.Module):
+        seen: list[int] = []
+
+        def model_local_kv_specs(self):
+            self.seen.append(torch.cuda.current_device())
+            return [spec]
+
+    caller_device = torch.cuda.device_count() - 1
+    torch.cuda.set_device(caller_device)
+    collection = collect_model_local_kv_specs(DeviceDeclarer())
+    results.update(collector_caller_device=caller_device, collector_declarer_device=DeviceDeclarer.seen)
+    print(f"[gpu-nvml] collector thread: caller on cuda:{caller_device}, declarer saw {DeviceDeclarer.seen}")
+    checks.append(("a declarer in the collector's thread sees the caller's CUDA device",
+                   DeviceDeclarer.seen == [caller_device] and len(collection.specs) == 1))
     results["checks"] = {name: ok for name, ok in checks}
     (out / "gpu_nvml_check.json").write_text(json.dumps(results, indent=2))
     for name, ok in checks:
