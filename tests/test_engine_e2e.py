@@ -422,13 +422,17 @@ def _kv_budget_lines(output: str) -> list[str]:
     return [line for line in output.splitlines() if "kv-budget" in line]
 
 
+def _assert_refused_in_one_line(run: LlmRun, message: str) -> None:
+    """The engine did not start, and one line of its output ends with ``message``."""
+    assert run.returncode != 0 and run.result is None
+    assert [line for line in run.output.splitlines() if line.endswith(message)], run.output[-3000:]
+
+
 def test_a_worker_failing_in_the_planning_rpc_refuses_under_cap_in_one_line(checkpoint, tmp_path):
     run = _run_llm(checkpoint, tmp_path, {"policy": "cap"}, env=_faulty_env("planning_raises"),
                    requests=4, max_tokens=2)
-    assert run.returncode != 0 and run.result is None
-    expected = ("kv-budget could not plan model-local KV (rank 0: RuntimeError: injected fault on rank 0); "
-                "policy cap refuses to start without a plan")
-    assert [line for line in run.output.splitlines() if line.endswith(expected)], run.output[-3000:]
+    _assert_refused_in_one_line(run, "kv-budget could not plan model-local KV (rank 0: RuntimeError: injected "
+                                     "fault on rank 0); policy cap refuses to start without a plan")
 
 
 def test_a_worker_failing_in_the_planning_rpc_under_warn_starts_unprotected_and_says_so(checkpoint, tmp_path):
@@ -446,10 +450,9 @@ def test_tensor_parallel_with_one_rank_unable_to_sample_refuses_under_cap_naming
     run = _run_llm(checkpoint, tmp_path, {"policy": "cap"}, env=env,
                    llm_kwargs={"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
                    requests=4, max_tokens=2)
-    assert run.returncode != 0 and run.result is None
-    expected = ("kv-budget could not measure device memory (rank 1: injected: no memory figure on rank 1); "
-                "pass --model-local-kv-headroom SIZE to plan against an explicit headroom")
-    assert [line for line in run.output.splitlines() if line.endswith(expected)], run.output[-3000:]
+    _assert_refused_in_one_line(run, "kv-budget could not measure device memory (rank 1: injected: no memory "
+                                     "figure on rank 1); pass --model-local-kv-headroom SIZE to plan against an "
+                                     "explicit headroom")
 
 
 def test_live_sampling_and_status_failures_leave_the_startup_cap_and_every_request(checkpoint, tmp_path):
