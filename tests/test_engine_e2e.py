@@ -428,6 +428,7 @@ def _assert_refused_in_one_line(run: LlmRun, message: str) -> None:
     assert [line for line in run.output.splitlines() if line.endswith(message)], run.output[-3000:]
 
 
+@pytest.mark.default_vllm_only
 def test_a_worker_failing_in_the_planning_rpc_refuses_under_cap_in_one_line(checkpoint, tmp_path):
     run = _run_llm(checkpoint, tmp_path, {"policy": "cap"}, env=_faulty_env("planning_raises"),
                    requests=4, max_tokens=2)
@@ -435,6 +436,7 @@ def test_a_worker_failing_in_the_planning_rpc_refuses_under_cap_in_one_line(chec
                                      "fault on rank 0); policy cap refuses to start without a plan")
 
 
+@pytest.mark.default_vllm_only
 def test_a_worker_failing_in_the_planning_rpc_under_warn_starts_unprotected_and_says_so(checkpoint, tmp_path):
     run = _run_llm(checkpoint, tmp_path, {"policy": "warn"}, env=_faulty_env("planning_raises"),
                    requests=32, max_tokens=4)
@@ -445,6 +447,7 @@ def test_a_worker_failing_in_the_planning_rpc_under_warn_starts_unprotected_and_
     assert run.report is None  # no plan was made; none is pretended
 
 
+@pytest.mark.default_vllm_only
 def test_tensor_parallel_with_one_rank_unable_to_sample_refuses_under_cap_naming_that_rank(checkpoint, tmp_path):
     env = _faulty_env("sampling_fails", rank=1, VLLM_CPU_OMP_THREADS_BIND="0|1")
     run = _run_llm(checkpoint, tmp_path, {"policy": "cap"}, env=env,
@@ -455,6 +458,7 @@ def test_tensor_parallel_with_one_rank_unable_to_sample_refuses_under_cap_naming
                                      "explicit headroom")
 
 
+@pytest.mark.default_vllm_only
 def test_live_sampling_and_status_failures_leave_the_startup_cap_and_every_request(checkpoint, tmp_path):
     """Each live sample fails in the worker and the status directory cannot
     be created: one warning each, the startup cap stays, no step fails."""
