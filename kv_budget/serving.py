@@ -25,6 +25,9 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
 
 __all__ = [
     "ApiServer", "ServerStartError", "LoadResult", "StreamingResult", "free_port", "send_completions",
@@ -156,6 +159,23 @@ def _completion_body(model: str, index: int, prompt_tokens: int, max_tokens: int
     }
 
 
+def _all_at_once(requests: int, one: Callable[[int], T]) -> tuple[list[T], float]:
+    """``one(index)`` for every index, each in a thread of its own; the
+    threads wait on a barrier and fire together, so the scheduler sees every
+    request at once. Returns the results in index order and the seconds the
+    whole load took."""
+    barrier = threading.Barrier(requests)
+
+    def released(index: int) -> T:
+        barrier.wait()
+        return one(index)
+
+    began = time.monotonic()
+    with ThreadPoolExecutor(max_workers=requests) as pool:
+        results = list(pool.map(released, range(requests)))
+    return results, time.monotonic() - began
+
+
 def send_completions(
     url: str,
     model: str,
@@ -167,14 +187,12 @@ def send_completions(
     """Send ``requests`` concurrent ``/v1/completions`` calls with token-id
     prompts and ``ignore_eos``, so every request produces ``max_tokens``.
     All threads wait on a barrier, then fire together."""
-    barrier = threading.Barrier(requests)
 
     def one(index: int) -> tuple[int, str | None]:
         body = _completion_body(model, index, prompt_tokens, max_tokens)
         request = urllib.request.Request(
             f"{url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
         )
-        barrier.wait()
         try:
             with urllib.request.urlopen(request, timeout=timeout) as response:
                 payload = json.loads(response.read())
@@ -182,10 +200,7 @@ def send_completions(
         except Exception as exc:  # noqa: BLE001 - every failure is counted and reported
             return 0, f"request {index}: {type(exc).__name__}: {exc}"
 
-    began = time.monotonic()
-    with ThreadPoolExecutor(max_workers=requests) as pool:
-        results = list(pool.map(one, range(requests)))
-    seconds = time.monotonic() - began
+    results, seconds = _all_at_once(requests, one)
     errors = [error for _, error in results if error]
     return LoadResult(
         requests=requests,
@@ -224,13 +239,11 @@ def send_streaming_completions(
     ``abort_after_chunks`` chunks, as a user who walks away does (vLLM sees
     the disconnect and aborts the request). The others read to the end."""
     address = urllib.parse.urlsplit(url)
-    barrier = threading.Barrier(requests)
 
     def one(index: int) -> tuple[str, str | None]:
         body = json.dumps({**_completion_body(model, index, prompt_tokens, max_tokens), "stream": True})
         abort = abort_every > 0 and index % abort_every == abort_every - 1
         connection = http.client.HTTPConnection(address.hostname, address.port, timeout=timeout)
-        barrier.wait()
         try:
             connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
             response = connection.getresponse()
@@ -251,15 +264,13 @@ def send_streaming_completions(
         finally:
             connection.close()
 
-    began = time.monotonic()
-    with ThreadPoolExecutor(max_workers=requests) as pool:
-        results = list(pool.map(one, range(requests)))
+    results, seconds = _all_at_once(requests, one)
     outcomes = [outcome for outcome, _ in results]
     return StreamingResult(
         requests=requests,
         completed=outcomes.count("completed"),
         aborted=outcomes.count("aborted"),
         failed=outcomes.count("failed"),
-        seconds=time.monotonic() - began,
+        seconds=seconds,
         errors=[error for _, error in results if error][:10],
     )
