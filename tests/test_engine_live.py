@@ -9,7 +9,9 @@ request-lifetime caches (``lifetime: request``), each wrong in one way:
   allocates) under ``warn``: each produces its warning, nothing changes.
 
 Expected figures are worked out by hand from the talker geometry. Each
-server is started once per module; every test reads its run.
+server is started once per module; every test reads its run. The
+under-declared run is a ``hook_points`` run (the live hooks and, on vLLM
+0.30, its step-wise correction): `make test` starts it on vLLM 0.30 too.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from engine_support import metric_sum
 from kv_budget.demo import DemoServer, read_peak_stats
 from kv_budget.demo_checkpoint import DEFAULT_TALKER, talker_bytes_per_row, write_demo_checkpoint
 from kv_budget.live import DEAD_AFTER_COMPLETED
@@ -93,22 +96,17 @@ def _serve(talker: dict, workdir: Path, policy: str, requests: int, scrape: bool
                    scrapes, streaming, after, final_metrics)
 
 
-def _metric(body: str, name: str) -> float:
-    """The sum of ``name`` over its label sets in a /metrics body."""
-    values = re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", body, re.M)
-    assert values, f"{name} is not on /metrics"
-    return sum(float(value) for value in values)
-
-
 @pytest.fixture(scope="module")
 def under_run(tmp_path_factory) -> LiveRun:
     return _serve(UNDER, tmp_path_factory.mktemp("under"), "cap", 256, scrape=True, abort_half=True)
 
 
+@pytest.mark.hook_points
 def test_under_declared_cap_answers_all_256_requests(under_run):
     assert (under_run.load.completed, under_run.load.failed) == (256, 0), under_run.load.errors
 
 
+@pytest.mark.hook_points
 def test_under_declaration_is_logged_once_with_its_figures(under_run):
     lines = [line for line in under_run.log.splitlines() if "under-declared by" in line]
     assert len(lines) == 1, lines
@@ -116,6 +114,7 @@ def test_under_declaration_is_logged_once_with_its_figures(under_run):
     assert "owner 'talker'" in lines[0] and "talker_request_kv, postnet_request_kv" in lines[0]
 
 
+@pytest.mark.hook_points
 def test_the_live_limit_is_lowered_to_what_the_measurement_allows(under_run):
     assert re.search(
         rf"max_num_seqs {STARTUP_CAP} -> {LIVE_CAP} \(rank 0: floor\(\(headroom {HEADROOM:,} B - uncharged fixed "
@@ -126,6 +125,7 @@ def test_the_live_limit_is_lowered_to_what_the_measurement_allows(under_run):
     assert (live["startup_max_num_seqs"], live["limit"], live["corrections"]) == (STARTUP_CAP, LIVE_CAP, 1)
 
 
+@pytest.mark.hook_points
 def test_what_the_model_holds_within_the_live_limit_stays_in_the_headroom(under_run):
     rank = under_run.status["live"]["ranks"][0]
     assert 0 < rank["peak_bytes_within_limit"] <= HEADROOM
@@ -138,16 +138,18 @@ def test_what_the_model_holds_within_the_live_limit_stays_in_the_headroom(under_
     assert STARTUP_CAP * TRUE_PER_SEQ > HEADROOM
 
 
+@pytest.mark.hook_points
 def test_clients_closing_half_the_streams_lose_no_other_request(under_run):
     streaming = under_run.streaming
     assert (streaming.completed, streaming.aborted, streaming.failed) == (128, 128, 0), streaming.errors
     # vLLM aborted the closed streams rather than generating them to the end.
     every_token = (256 + 256 + 8) * 64
-    assert _metric(under_run.final_metrics, "vllm:generation_tokens_total") < every_token - 128 * 32
+    assert metric_sum(under_run.final_metrics, "vllm:generation_tokens_total") < every_token - 128 * 32
     # And the server keeps serving after them.
     assert (under_run.after_streaming.completed, under_run.after_streaming.failed) == (8, 0)
 
 
+@pytest.mark.hook_points
 def test_after_the_load_the_model_holds_nothing_and_no_leak_is_reported(under_run):
     """After a load, and after half of a streaming load was aborted by its
     clients: aborted requests' rows are freed like finished ones."""
@@ -156,6 +158,7 @@ def test_after_the_load_the_model_holds_nothing_and_no_leak_is_reported(under_ru
     assert not [line for line in under_run.log.splitlines() if "kv-budget: live:" in line and line.endswith(": leak")]
 
 
+@pytest.mark.hook_points
 def test_metrics_carry_plan_and_live_figures_during_the_load(under_run):
     assert under_run.scrapes, "no /metrics body was read during the load"
     last = under_run.scrapes[-1]
