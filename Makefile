@@ -26,7 +26,7 @@ STAMP_0_31 := $(VENV_0_31)/.kv-budget-installed
 # The tests that need an installed vLLM: what `make test-compat` runs per version.
 VLLM_TESTS := -m "engine or vllm"
 # The edit loop: no vLLM, no engine, no published wheel to fetch.
-FAST_TESTS := -m "not engine and not vllm and not network"
+FAST_TESTS := -m "not engine and not vllm and not network and not omni_models"
 # Two pytest workers, one test module each at a time: an engine module's
 # fixtures (its engines) stay on one worker, and an engine start is mostly
 # single-threaded imports, so two of them share the two cores well. Every

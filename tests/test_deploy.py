@@ -12,9 +12,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -28,9 +25,6 @@ from kv_budget.presets import preset_collection
 from kv_budget.specfile import load_spec_file
 from kv_budget.units import GiB, MiB
 
-SCRIPT = shutil.which("kv-budget", path=str(Path(sys.executable).parent))
-REPO = Path(__file__).resolve().parents[1]
-
 QWEN3_TTS_PER_SEQ = 2 * (2 * 8 * 16 * 64 * 71 * 2)
 """Two bfloat16 rows (retained + working copy) of 8 layers x 16 kv heads x
 head_dim 64 x 71 positions, K and V: 4,653,056 B."""
@@ -40,15 +34,9 @@ MIMO_CHARGED = 261 * MIMO_PER_SEQ  # 188,153,856 B: the graph pool
 MINICPM_FIXED = 2 * 24 * 16 * 64 * 1500 * 2  # 147,456,000 B: one streaming session
 
 
-def run_script(*args):
-    """Through the installed console script, as a user would."""
-    assert SCRIPT, "the kv-budget console script is not installed in this environment"
-    return subprocess.run([SCRIPT, *map(str, args)], capture_output=True, text=True, timeout=120, cwd=REPO,
-                          check=False)
-
-
 def run(*args):
-    """In process (each console-script start imports torch: seconds)."""
+    """``kv-budget ARGS`` in process (each console-script start imports torch:
+    seconds); ``tests/test_cli.py`` runs the console script itself."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
@@ -91,6 +79,7 @@ def declared(stage: int, preset: str) -> dict[int, StageDeclarations]:
 # ---- hand-computed figures on the shipped files ------------------------------
 
 
+@pytest.mark.network
 def test_qwen3_tts_on_80GiB_by_hand(deploy_dir):
     plan = plan_deploy(load_deploy(deploy_dir / "qwen3_tts.yaml"), {0: 80 * GiB},
                        declared(1, "qwen3-tts-async-chunk"))
@@ -113,6 +102,7 @@ def test_qwen3_tts_on_80GiB_by_hand(deploy_dir):
     assert stage1.decision is Decision.OK
 
 
+@pytest.mark.network
 def test_mimo_audio_on_141GiB_by_hand(deploy_dir):
     plan = plan_deploy(load_deploy(deploy_dir / "mimo_audio.yaml"), {0: 141 * GiB}, declared(0, "mimo-audio"))
     (device,) = plan.devices
@@ -129,6 +119,7 @@ def test_mimo_audio_on_141GiB_by_hand(deploy_dir):
     assert [(s.configured_max_num_seqs, s.safe_max_num_seqs) for s in plan.stages] == [(1, 1), (1, None)]
 
 
+@pytest.mark.network
 def test_minicpmo_on_80GiB_by_hand(deploy_dir):
     plan = plan_deploy(load_deploy(deploy_dir / "minicpmo_4_5.yaml"), {0: 80 * GiB},
                        declared(0, "minicpm-o-streaming"))
@@ -200,6 +191,8 @@ def assert_same_terms(admission, deploy, capacities):
     return ours
 
 
+@pytest.mark.network
+@pytest.mark.vllm  # vLLM-Omni's stage_admission imports vllm.logger and vllm.utils.mem_utils
 @pytest.mark.parametrize("name", ["qwen3_tts.yaml", "mimo_audio.yaml", "minicpmo_4_5.yaml",
                                   "qwen3_tts_high_concurrency_mrv2_single_gpu.yaml", "minicpmo_4_5_turn.yaml"])
 @pytest.mark.parametrize("gib", [8, 80, 141])
@@ -210,6 +203,8 @@ def test_admission_terms_match_vllm_omni_evaluate(admission, deploy_dir, name, g
         assert not ours.devices[0].admission_fits and not ours.fits
 
 
+@pytest.mark.network
+@pytest.mark.vllm  # as above: stage_admission imports vLLM
 def test_admission_terms_match_with_platform_replicas_and_tensor_parallel(admission, deploy_dir, tmp_path):
     deploy = load_deploy(deploy_dir / "minicpmo_4_5_3gpu_stage1_replicas.yaml", platform="cuda")
     assert_same_terms(admission, deploy, {0: 80 * GiB, 1: 24 * GiB, 2: 48 * GiB})
@@ -227,6 +222,7 @@ stages:
 # ---- base_config and platforms --------------------------------------------------
 
 
+@pytest.mark.network
 def test_base_config_chain_of_three_files(deploy_dir):
     """qwen3_tts_high_concurrency_mrv2_single_gpu.yaml -> ..._mrv2.yaml ->
     qwen3_tts_high_concurrency.yaml: the overlay moves stage 1 from device 1
@@ -243,6 +239,7 @@ def test_base_config_chain_of_three_files(deploy_dir):
     assert plan.devices[0].per_seq_demand_bytes == 32 * QWEN3_TTS_PER_SEQ
 
 
+@pytest.mark.network
 def test_platform_overrides_apply_only_when_asked(deploy_dir):
     plain = load_deploy(deploy_dir / "minicpmo_4_5.yaml")
     cuda = load_deploy(deploy_dir / "minicpmo_4_5.yaml", platform="cuda")
@@ -326,8 +323,8 @@ def test_split_is_proportional_to_configured_demand(two_declaring):
 
 def test_cli_table_and_json_keys(two_declaring):
     path, s0, s1 = two_declaring
-    result = run_script("plan", "--deploy", path, "--stage-declarations", f"0={s0}",
-                        "--stage-declarations", f"1={s1}", "--device-memory-of", "0=20GiB", "--json")
+    result = run("plan", "--deploy", path, "--stage-declarations", f"0={s0}",
+                 "--stage-declarations", f"1={s1}", "--device-memory-of", "0=20GiB", "--json")
     assert result.returncode == EXIT_OK, result.stderr
     plan = json.loads(result.stdout)
     for key in ("device", "capacity_bytes", "requested_bytes", "graph_reserve_bytes", "external_reserve_bytes",
@@ -353,8 +350,8 @@ def test_infeasible_model_local_kv_exits_3(two_declaring):
     """5152 MiB: admitted by vLLM-Omni (2576 + 2048 MiB <= 5152 MiB), but only
     16 MiB is left after the fixed 512 MiB: not one 64 or 32 MiB sequence."""
     path, s0, s1 = two_declaring
-    result = run_script("plan", "--deploy", path, "--stage-declarations", f"0={s0}",
-                        "--stage-declarations", f"1={s1}", "--device-memory", "5152MiB")
+    result = run("plan", "--deploy", path, "--stage-declarations", f"0={s0}",
+                 "--stage-declarations", f"1={s1}", "--device-memory", "5152MiB")
     assert result.returncode == EXIT_INFEASIBLE
     assert "Traceback" not in result.stderr
     assert "device 0: not even one sequence fits for stage 0" in result.stderr
@@ -364,6 +361,7 @@ def test_infeasible_model_local_kv_exits_3(two_declaring):
     assert warn.returncode == EXIT_OK
 
 
+@pytest.mark.network
 def test_oversubscribed_device_exits_3(deploy_dir):
     result = run("plan", "--deploy", deploy_dir / "minicpmo_4_5.yaml", "--device-memory", "16GiB")
     assert result.returncode == EXIT_INFEASIBLE
@@ -398,6 +396,7 @@ def test_bad_input_in_a_base_file_names_both_files(tmp_path):
     assert "gpu_memory_utilization = 2" in str(info.value)
 
 
+@pytest.mark.network
 @pytest.mark.parametrize("args, expected", [
     (["--preset", "mimo-audio"], "not allowed with argument"),
     (["--headroom-bytes", "1GiB"], "--headroom-bytes does not apply to --deploy"),
@@ -415,6 +414,7 @@ def test_deploy_option_errors_exit_2(deploy_dir, args, expected):
     assert expected in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.network
 def test_missing_device_size_and_deploy_only_options(deploy_dir):
     result = run("plan", "--deploy", deploy_dir / "mimo_audio.yaml")
     assert result.returncode == EXIT_BAD_INPUT and "device 0 (stages [0, 1]) has no size" in result.stderr

@@ -2,45 +2,55 @@
 vLLM, in process, without an engine: the cap taken into a real
 ``VllmConfig``, the stat-logger entry point as vLLM loads it, and the stat
 logger publishing a real status file into prometheus_client's registry.
-``tests/test_frontend_e2e.py`` does the same through a running api_server."""
+``tests/test_engine_serving.py`` does the same through a running api_server."""
 
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
+import vllm_patches
 from kv_budget import Collection, ModelLocalKVSpec, OwnedSpec, budget_worker, headroom_override, make_plan
 from kv_budget.status import STATUS_DIR_ENV, EngineStatus, status_path, write_status
+from vllm_patches.cli_flags import PATCH_MARK
+from vllm_patches.compat import checked_vllm
 
-vllm = pytest.importorskip("vllm")
-
-from prometheus_client import REGISTRY  # noqa: E402
-from vllm.config import ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
-from vllm.v1.engine.core_client import MPClient  # noqa: E402
-from vllm.v1.metrics.loggers import load_stat_logger_plugin_factories  # noqa: E402
-
-import vllm_patches  # noqa: E402
-from vllm_patches.cli_flags import PATCH_MARK  # noqa: E402
-from vllm_patches.compat import checked_vllm  # noqa: E402
-from vllm_patches.frontend import KvBudgetStatLogger, lower_frontend_max_num_seqs  # noqa: E402
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module", autouse=True)
 def registered():
+    pytest.importorskip("vllm")
     vllm_patches.register()
 
 
+@pytest.fixture(scope="module")
+def frontend():
+    """:mod:`vllm_patches.frontend`, which imports vLLM: imported when a test
+    runs, so that collecting this module (which every fast run does before
+    deselecting it) imports no vLLM."""
+    from vllm_patches import frontend
+
+    return frontend
+
+
 def _scheduler_config(max_num_seqs: int, active: int | None = None) -> VllmConfig:
+    from vllm.config import SchedulerConfig, VllmConfig
+
     extra = {"max_num_active_seqs": active} if checked_vllm().features.max_num_active_seqs else {}
     return VllmConfig(scheduler_config=SchedulerConfig(
         max_num_seqs=max_num_seqs, max_model_len=256, is_encoder_decoder=False, **extra))
 
 
 def test_the_ready_response_patch_is_applied_once():
+    from vllm.v1.engine.core_client import MPClient
+
     patched = MPClient._apply_ready_response
     assert getattr(patched, PATCH_MARK, False)
     assert not getattr(patched.__wrapped__, PATCH_MARK, False)
@@ -49,13 +59,13 @@ def test_the_ready_response_patch_is_applied_once():
     assert MPClient._apply_ready_response is patched
 
 
-def test_the_frontend_keeps_the_smallest_engine_value_and_never_raises_it(caplog):
+def test_the_frontend_keeps_the_smallest_engine_value_and_never_raises_it(frontend, caplog):
     config = _scheduler_config(256, active=200)
     with caplog.at_level("INFO", logger="vllm.kv_budget"):
-        first = lower_frontend_max_num_seqs(config, 90, engine_index=0)
-        assert lower_frontend_max_num_seqs(config, 120, engine_index=1) == []  # data parallel: a larger one
-        assert lower_frontend_max_num_seqs(config, 256, engine_index=2) == []  # an engine that was not capped
-        last = lower_frontend_max_num_seqs(config, 60, engine_index=3)
+        first = frontend.lower_frontend_max_num_seqs(config, 90, engine_index=0)
+        assert frontend.lower_frontend_max_num_seqs(config, 120, engine_index=1) == []  # data parallel: a larger one
+        assert frontend.lower_frontend_max_num_seqs(config, 256, engine_index=2) == []  # an engine that was not capped
+        last = frontend.lower_frontend_max_num_seqs(config, 60, engine_index=3)
     assert config.scheduler_config.max_num_seqs == 60
     if checked_vllm().features.max_num_active_seqs:
         assert first == ["max_num_seqs 256 -> 90", "max_num_active_seqs 200 -> 90"]
@@ -69,8 +79,10 @@ def test_the_frontend_keeps_the_smallest_engine_value_and_never_raises_it(caplog
     assert "engine 1's" not in caplog.text and "engine 3's ready response" in caplog.text
 
 
-def test_vllm_loads_the_stat_logger_plugin():
-    assert KvBudgetStatLogger in load_stat_logger_plugin_factories()
+def test_vllm_loads_the_stat_logger_plugin(frontend):
+    from vllm.v1.metrics.loggers import load_stat_logger_plugin_factories
+
+    assert frontend.KvBudgetStatLogger in load_stat_logger_plugin_factories()
 
 
 # --- the stat logger on a real status file ---
@@ -90,6 +102,8 @@ def _status(model: str, engine_index: int) -> EngineStatus:
 
 @pytest.fixture(scope="module")
 def model_config(tmp_path_factory) -> VllmConfig:
+    from vllm.config import ModelConfig, VllmConfig
+
     from kv_budget.demo_checkpoint import write_demo_checkpoint
 
     checkpoint = write_demo_checkpoint(tmp_path_factory.mktemp("demo") / "checkpoint")
@@ -97,10 +111,13 @@ def model_config(tmp_path_factory) -> VllmConfig:
                                                served_model_name="demo-served"))
 
 
-def test_the_stat_logger_publishes_the_status_file_of_its_engine(model_config, tmp_path, monkeypatch, caplog):
+def test_the_stat_logger_publishes_the_status_file_of_its_engine(frontend, model_config, tmp_path, monkeypatch,
+                                                                  caplog):
+    from prometheus_client import REGISTRY
+
     labels = {"model_name": "demo-served", "engine": "3"}
     monkeypatch.delenv(STATUS_DIR_ENV, raising=False)
-    stat_logger = KvBudgetStatLogger(model_config, engine_index=3)
+    stat_logger = frontend.KvBudgetStatLogger(model_config, engine_index=3)
     assert stat_logger.refresh() == 0  # no status directory: nothing to publish, no error
 
     monkeypatch.setenv(STATUS_DIR_ENV, str(tmp_path))

@@ -43,6 +43,9 @@ OMNI_IMPORT = "from vllm_omni.model_executor.models.model_local_kv import"
 # sliding window 72 -> 71 positions declared.
 QWEN3_TTS_ROW = 2 * 8 * 16 * 64 * 71 * 4
 
+# Every test reads vLLM-Omni's wheel, whose declaration module imports vllm.logger.
+pytestmark = [pytest.mark.network, pytest.mark.vllm]
+
 
 def _omni(name: str):
     try:

@@ -17,7 +17,9 @@ import pytest
 from kv_budget.audit import audit_module
 from kv_budget.omni.files import OmniFilesUnavailable
 
-pytestmark = pytest.mark.omni_models
+# network as well: a run given its own -m (make test-fast) replaces setup.cfg's
+# "not omni_models", and these build their models from vLLM-Omni's wheel.
+pytestmark = [pytest.mark.omni_models, pytest.mark.network]
 
 BF16 = 2
 

