@@ -81,14 +81,6 @@ class ServeCli(ApiServer):
 
 
 @dataclass
-class Served:
-    server: ApiServer
-    report: dict
-    status_dir: Path
-    extra: dict = field(default_factory=dict)
-
-
-@dataclass
 class Loaded:
     """What the single api_server's fixture measured around its 256-request load."""
 
@@ -103,6 +95,16 @@ class Loaded:
     """The live figures of the engine's status file at that point."""
     stats: dict[int, dict]
     """What the demo model really held, per rank."""
+
+
+@dataclass
+class Served:
+    server: ApiServer
+    report: dict
+    status_dir: Path
+    loaded: Loaded | None = None
+    """The single api_server's load (its fixture runs it once)."""
+    extra: dict = field(default_factory=dict)
 
 
 def _flags(report: Path) -> list[str]:
@@ -228,7 +230,7 @@ def api_server(request_checkpoint, tmp_path_factory):
     with server:
         _started.append(server)
         served = Served(server, json.loads((root / "plan.json").read_text()), status_dir)
-        served.extra["loaded"] = _load_while_scraping(served, stats_dir)
+        served.loaded = _load_while_scraping(served, stats_dir)
         yield served
     print(f"\n[serving e2e] single api_server: up {server.startup_seconds:.1f} s, "
           f"held {time.monotonic() - began:.1f} s")
@@ -266,12 +268,8 @@ def _load_while_scraping(served: Served, stats_dir: Path) -> Loaded:
 
 # --- the engine: the startup plan and the cap ---
 
-def _loaded(api_server: Served) -> Loaded:
-    return api_server.extra["loaded"]
-
-
 def test_cap_answers_all_256_concurrent_requests(api_server):
-    load = _loaded(api_server).load
+    load = api_server.loaded.load
     assert load.failed == 0, load.errors
     assert load.completed == 256
     assert load.output_tokens == 256 * 16
@@ -289,7 +287,7 @@ def test_cap_report_matches_the_hand_computed_cap(api_server):
 
 
 def test_cap_really_caps_what_the_model_holds(api_server):
-    (stats,) = _loaded(api_server).stats.values()
+    (stats,) = api_server.loaded.stats.values()
     assert stats["peak_sequences"] <= CAP
     # 256 requests saturate the cap, so the model's real peak is the prediction, to the byte.
     assert stats["peak_sequences"] == CAP
@@ -356,11 +354,11 @@ def test_n_above_the_cap_is_rejected_by_the_frontend_and_n_at_the_cap_runs(api_s
 # --- B: the plan and live figures on /metrics ---
 
 def test_metrics_carry_the_startup_plan(api_server):
-    _assert_plan_on_metrics(_loaded(api_server).plan, api_server.report, api_server.server.model)
+    _assert_plan_on_metrics(api_server.loaded.plan, api_server.report, api_server.server.model)
 
 
 def test_metrics_can_be_scraped_under_load_and_show_the_live_figures(api_server):
-    loaded = _loaded(api_server)
+    loaded = api_server.loaded
     assert loaded.load.failed == 0 and loaded.load.completed == 256, loaded.load.errors
     assert len(loaded.scrapes) >= 3
     for samples in loaded.scrapes:  # every scrape during the load had the plan
