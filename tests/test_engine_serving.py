@@ -403,7 +403,7 @@ def two_api_servers(request_checkpoint, tmp_path_factory):
     began = time.monotonic()
     with server:
         yield Served(server, json.loads((root / "plan.json").read_text()), status_dir,
-                     {"prometheus_dir": prometheus_dir})
+                     extra={"prometheus_dir": prometheus_dir})
     print(f"\n[serving e2e] 2 api servers: up {server.startup_seconds:.1f} s, held {time.monotonic() - began:.1f} s")
 
 
