@@ -11,21 +11,14 @@ vLLM-Omni's public declaration names (``ModelLocalKVSpec``,
 ``collect_model_local_kv_specs``, ``HasModelLocalKV``) are importable from
 here with its semantics, so a declarer written for vLLM-Omni changes only
 its import line.
+
+Only the declaring surface is imported here, so that a model file that
+declares pulls in torch and the standard library and nothing else (not
+the planner's pydantic, the samplers' psutil, the deploy reader's yaml):
+the planner, samplers and report are imported from their modules
+(``kv_budget.planner``, ``kv_budget.memory``, ``kv_budget.report``).
 """
 
-from .memory import CpuSampler, MemorySample, MemorySamplingError, NvmlSampler, sample_memory
-from .planner import (
-    Decision,
-    Headroom,
-    Plan,
-    Policy,
-    WorkerBudget,
-    budget_worker,
-    default_margin_bytes,
-    headroom_from_free,
-    headroom_override,
-    make_plan,
-)
 from .protocol import (
     Collection,
     DeclarerFailure,
@@ -40,37 +33,20 @@ from .protocol import (
     normalize_spec,
     spec_from_hf_config,
 )
-from .report import render_plan_table
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Collection",
-    "CpuSampler",
-    "Decision",
     "DeclarerFailure",
     "HasModelLocalKV",
-    "Headroom",
     "InvalidDeclarationError",
-    "MemorySample",
-    "MemorySamplingError",
     "ModelLocalKVScope",
     "ModelLocalKVSpec",
-    "NvmlSampler",
     "OwnedSpec",
-    "Plan",
-    "Policy",
     "RowDriver",
     "Scope",
-    "WorkerBudget",
-    "budget_worker",
     "collect_model_local_kv_specs",
-    "default_margin_bytes",
-    "headroom_from_free",
-    "headroom_override",
-    "make_plan",
     "normalize_spec",
-    "render_plan_table",
-    "sample_memory",
     "spec_from_hf_config",
 ]

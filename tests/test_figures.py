@@ -12,7 +12,8 @@ import pytest
 import torch
 from transformers import Qwen2Config
 
-from kv_budget import RowDriver, Scope, budget_worker, headroom_override, spec_from_hf_config
+from kv_budget import RowDriver, Scope, spec_from_hf_config
+from kv_budget.planner import budget_worker, headroom_override
 from kv_budget.overrides import apply_overrides, parse_override
 from kv_budget.presets import PRESETS, preset_collection
 

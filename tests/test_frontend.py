@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import vllm_patches
-from kv_budget import Collection, ModelLocalKVSpec, OwnedSpec, budget_worker, headroom_override, make_plan
+from kv_budget import Collection, ModelLocalKVSpec, OwnedSpec
+from kv_budget.planner import budget_worker, headroom_override, make_plan
 from kv_budget.status import STATUS_DIR_ENV, EngineStatus, status_path, write_status
 from vllm_patches.cli_flags import PATCH_MARK
 from vllm_patches.compat import checked_vllm

@@ -13,7 +13,8 @@ import psutil
 import pytest
 import torch
 
-from kv_budget import Collection, ModelLocalKVSpec, OwnedSpec, budget_worker, headroom_override
+from kv_budget import Collection, ModelLocalKVSpec, OwnedSpec
+from kv_budget.planner import budget_worker, headroom_override
 from kv_budget.ledger import LedgerError, open_ledger
 from kv_budget.planner import shared_budget
 

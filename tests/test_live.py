@@ -10,7 +10,7 @@ import torch
 from audit_models import generate_into, small_qwen2_config, tiny_lm
 from transformers import DynamicCache
 
-from kv_budget import budget_worker, headroom_override, make_plan
+from kv_budget.planner import budget_worker, headroom_override, make_plan
 from kv_budget.audit import HeldBytes, audit_module
 from kv_budget.live import DEAD_AFTER_COMPLETED, MAX_SAMPLING_FRACTION, LiveMonitor, WorkerSample, owner_expectations
 from kv_budget.protocol import RowDriver, Scope, collect_model_local_kv_specs, spec_from_hf_config

@@ -11,7 +11,8 @@ import re
 import pytest
 import torch
 
-from kv_budget import Collection, ModelLocalKVSpec, OwnedSpec, budget_worker, headroom_override, make_plan
+from kv_budget import Collection, ModelLocalKVSpec, OwnedSpec
+from kv_budget.planner import budget_worker, headroom_override, make_plan
 from kv_budget.live import LiveMonitor, OwnerBytes, WorkerSample
 from kv_budget.metrics import (
     DECLARATION_LABELS,

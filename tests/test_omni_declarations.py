@@ -20,12 +20,10 @@ from kv_budget import (
     ModelLocalKVSpec,
     RowDriver,
     Scope,
-    budget_worker,
     collect_model_local_kv_specs,
-    headroom_override,
-    make_plan,
     normalize_spec,
 )
+from kv_budget.planner import budget_worker, headroom_override, make_plan
 from kv_budget.omni.files import (
     DECLARATION_MODULE,
     OmniFilesUnavailable,

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kv_budget import Collection, ModelLocalKVSpec, OwnedSpec, budget_worker, headroom_override, make_plan
+from kv_budget import Collection, ModelLocalKVSpec, OwnedSpec
+from kv_budget.planner import budget_worker, headroom_override, make_plan
 from kv_budget.overrides import OverrideError, apply_overrides, parse_override, unmatched_message
 from kv_budget.report import render_plan_table
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import enum
 import logging
+import subprocess
+import sys
 import types
 
 import pytest
@@ -289,9 +291,13 @@ def test_non_module_owner_is_asked_directly():
     assert [(o.owner, o.spec.name) for o in collection.specs] == [("", "plain")]
 
 
-def test_public_names_are_reexported():
-    for name in ("ModelLocalKVSpec", "collect_model_local_kv_specs", "make_plan", "sample_memory"):
-        assert hasattr(kv_budget, name)
+def test_the_package_exports_the_declaring_surface_and_nothing_heavier():
+    for name in ("ModelLocalKVSpec", "ModelLocalKVScope", "RowDriver", "HasModelLocalKV", "spec_from_hf_config",
+                 "collect_model_local_kv_specs"):
+        assert name in kv_budget.__all__ and hasattr(kv_budget, name)
+    # The planner and the samplers are imported from their own modules.
+    for name in ("make_plan", "sample_memory", "render_plan_table"):
+        assert name not in kv_budget.__all__ and not hasattr(kv_budget, name)
 
 
 def test_collector_finds_declarers_set_on_an_instance_or_served_by_getattr():
@@ -419,3 +425,18 @@ def test_a_renamed_duplicate_is_what_an_override_names():
     corrected, unmatched = apply_overrides(collection, parse_overrides(["<root>/kv#2:physical_capacity_positions=16"]))
     assert unmatched == []
     assert [o.spec.physical_capacity_positions for o in corrected.specs] == [8, 16]
+
+
+def test_declaring_imports_torch_and_the_standard_library_only():
+    """What a model file imports to declare must not drag the planner's,
+    samplers' or deploy reader's dependencies (or vLLM) into the model's
+    process; checked in a fresh interpreter, where nothing is loaded yet."""
+    code = (
+        "import sys\n"
+        "from kv_budget import (spec_from_hf_config, ModelLocalKVSpec, RowDriver, ModelLocalKVScope,\n"
+        "                       HasModelLocalKV, collect_model_local_kv_specs)\n"
+        "print(sorted({name.split('.')[0] for name in sys.modules} & {'vllm', 'psutil', 'yaml', 'pydantic'}))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "[]", result.stdout
