@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from engine_support import OMP_BIND_ENV
 from kv_budget.ledger import LEDGER_DIR_ENV
-
-OMP_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -49,7 +48,7 @@ def pytest_collection_modifyitems(items):
     """Engine modules first: ``--dist loadfile`` hands out modules in this
     order, so the two workers end on short unit modules, not one of them on
     a module of four engines while the other waits."""
-    items.sort(key=lambda item: not Path(str(item.path)).name.startswith("test_engine_"))
+    items.sort(key=lambda item: not item.path.name.startswith("test_engine_"))
 
 
 @pytest.fixture(scope="session")

@@ -22,9 +22,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from kv_budget.demo import DemoServer, read_peak_stats
+from kv_budget.demo import read_peak_stats
 from kv_budget.demo_checkpoint import DEFAULT_TALKER, talker_bytes_per_row
-from kv_budget.serving import LoadResult, send_completions
 from kv_budget.units import GiB, MiB
 
 HEADROOM = 96 * MiB
@@ -33,7 +32,9 @@ CAP = HEADROOM // PER_SEQ  # 90
 POOL = GiB  # VLLM_CPU_KVCACHE_SPACE=1 in both runners: vLLM's figure for the paged pool
 TWO_WORKERS = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
 """``llm_kwargs`` of a tensor-parallel-2 run; its env needs :data:`TWO_CORES`."""
-TWO_CORES = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+OMP_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+"""Which cores vllm-cpu binds each worker rank's threads to (``|`` between ranks)."""
+TWO_CORES = {OMP_BIND_ENV: "0|1"}
 """One core per worker: vllm-cpu binds each rank's threads to its own cores."""
 LLM_RUNNER = Path(__file__).with_name("engine_llm_run.py")
 
@@ -50,30 +51,6 @@ def has_max_num_active_seqs() -> bool:
 def active_seqs_flags() -> list[str]:
     """``--max-num-active-seqs 200`` where this vLLM has it: the cap must lower it too."""
     return ["--max-num-active-seqs", "200"] if has_max_num_active_seqs() else []
-
-
-@dataclass
-class ServerRun:
-    load: LoadResult | None
-    log: str
-    report: dict | None
-    stats: dict[int, dict]
-    startup_seconds: float | None
-
-
-def serve_and_load(checkpoint: Path, workdir: Path, flags: list[str], requests: int = 256) -> ServerRun:
-    """An api_server on ``checkpoint`` with ``flags``, ``requests`` concurrent
-    completions, then stopped; what it logged, reported and held."""
-    run = DemoServer.create(checkpoint, workdir, flags)
-    with run.server:
-        load = send_completions(run.server.url, str(checkpoint), requests=requests)
-    return ServerRun(
-        load=load,
-        log=run.server.log_text(),
-        report=run.report(),
-        stats=read_peak_stats(run.stats_dir),
-        startup_seconds=run.server.startup_seconds,
-    )
 
 
 @dataclass

@@ -41,7 +41,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -104,7 +104,8 @@ class Served:
     status_dir: Path
     loaded: Loaded | None = None
     """The single api_server's load (its fixture runs it once)."""
-    extra: dict = field(default_factory=dict)
+    prometheus_dir: Path | None = None
+    """The two-server run's PROMETHEUS_MULTIPROC_DIR."""
 
 
 def _flags(report: Path) -> list[str]:
@@ -403,7 +404,7 @@ def two_api_servers(request_checkpoint, tmp_path_factory):
     began = time.monotonic()
     with server:
         yield Served(server, json.loads((root / "plan.json").read_text()), status_dir,
-                     extra={"prometheus_dir": prometheus_dir})
+                     prometheus_dir=prometheus_dir)
     print(f"\n[serving e2e] 2 api servers: up {server.startup_seconds:.1f} s, held {time.monotonic() - began:.1f} s")
 
 
@@ -427,8 +428,8 @@ def test_two_api_servers_both_learn_the_cap_and_publish_the_plan(two_api_servers
     for _ in range(4):
         status, body = _generate(server, CAP + 1)
         assert status == 400 and f"max_num_seqs ({CAP})" in json.dumps(body)
-    samples = _wait_for(server, lambda s: len(_kv_budget_writers(two_api_servers.extra["prometheus_dir"])) == 2)
-    assert len(_kv_budget_writers(two_api_servers.extra["prometheus_dir"])) == 2
+    samples = _wait_for(server, lambda s: len(_kv_budget_writers(two_api_servers.prometheus_dir)) == 2)
+    assert len(_kv_budget_writers(two_api_servers.prometheus_dir)) == 2
     for _ in range(4):
         _assert_plan_on_metrics(scrape(server), two_api_servers.report, server.model)
     load = send_completions(server.url, server.model, requests=64, max_tokens=4)
