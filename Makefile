@@ -40,10 +40,12 @@ EXTRAS_$(VENV) := cpu,test,bench
 EXTRAS_$(OMNI_VENV) := omni-cpu,test
 EXTRAS_$(VENV_0_31) := cpu-0-31,test
 
-%/.kv-budget-installed: pyproject.toml
+# Each venv also gets the demo (demo/, its own distribution: its model and
+# vLLM plugin), which the engine tests and `make demo` serve.
+%/.kv-budget-installed: pyproject.toml demo/pyproject.toml
 	test -x $*/bin/python || $(PYTHON) -m venv $*
 	$*/bin/python -m pip install -q --upgrade pip
-	$*/bin/python -m pip install -e '.[$(EXTRAS_$*)]'
+	$*/bin/python -m pip install -e '.[$(EXTRAS_$*)]' -e ./demo
 	$*/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 	touch $@
 
@@ -79,7 +81,7 @@ test-omni: $(OMNI_STAMP)
 	$(OMNI_PY) -m pytest -m omni_models
 
 demo: $(STAMP)
-	$(PY) -m kv_budget.demo
+	$(PY) -m kv_budget_demo
 
 clean:
 	rm -rf $(VENV) $(OMNI_VENV) $(VENV_0_31) demo-out benchmarks/out

@@ -33,12 +33,12 @@ from pathlib import Path
 
 from machine import write_results
 
-from kv_budget.demo import DemoServer
-from kv_budget.demo_checkpoint import DEFAULT_TALKER, write_demo_checkpoint
-from kv_budget.live import DEFAULT_SAMPLE_INTERVAL_S
-from kv_budget.serving import send_completions
-from kv_budget.status import STATUS_DIR_ENV, read_status, status_path
 from kv_budget.units import MiB
+from kv_budget.watch.live import DEFAULT_SAMPLE_INTERVAL_S
+from kv_budget.watch.status import STATUS_DIR_ENV, read_status, status_path
+from kv_budget_demo.checkpoint import DEFAULT_TALKER, write_demo_checkpoint
+from kv_budget_demo.demo import DemoServer
+from kv_budget_demo.serving import send_completions
 
 HERE = Path(__file__).resolve().parent
 REQUESTS = 256

@@ -37,12 +37,12 @@ from pathlib import Path
 
 from machine import loadavg, machine_info
 
-from kv_budget.demo import DemoServer
-from kv_budget.demo_checkpoint import DEFAULT_TALKER, TALKER_KEY, talker_bytes_per_row, write_demo_checkpoint
-from kv_budget.planner import Policy, budget_worker, headroom_override, make_plan
-from kv_budget.protocol import collect_model_local_kv_specs
-from kv_budget.serving import ServerStartError, send_completions
+from kv_budget.collect import collect_model_local_kv_specs
+from kv_budget.plan.planner import Policy, budget_worker, headroom_override, make_plan
 from kv_budget.units import MiB, parse_byte_size
+from kv_budget_demo.checkpoint import DEFAULT_TALKER, TALKER_KEY, talker_bytes_per_row, write_demo_checkpoint
+from kv_budget_demo.demo import DemoServer
+from kv_budget_demo.serving import ServerStartError, send_completions
 
 HERE = Path(__file__).resolve().parent
 FULL_HEADROOMS = "32MiB,64MiB,96MiB,160MiB,320MiB"
@@ -50,7 +50,7 @@ QUICK_HEADROOMS = "96MiB,320MiB"
 PLUGIN_SHARE_TARGET = 0.005
 THROUGHPUT_TARGET = 0.98
 OFF_PREDICTION_SOURCE = (
-    "computed with kv_budget.planner (collect_model_local_kv_specs on the demo Talker, "
+    "computed with kv_budget.plan.planner (collect_model_local_kv_specs on the demo Talker, "
     "budget_worker, make_plan) at the configured max_num_seqs: policy off writes no report"
 )
 
@@ -63,7 +63,7 @@ def log(message: str) -> None:
 def _demo_collection(checkpoint: str):
     """The demo model's declarations, from its real declarer (the Talker the
     served model builds), with the checkpoint's talker settings."""
-    from vllm_patches.demo_model import Talker  # imports vLLM: only when needed
+    from kv_budget_demo.model import Talker
 
     settings = json.loads((Path(checkpoint) / "config.json").read_text())[TALKER_KEY]
     return collect_model_local_kv_specs(Talker(settings, tp_rank=0, tp_size=1))
@@ -446,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
             "ignore_eos": True, "configured_max_num_seqs": args.max_num_seqs, "headrooms": headrooms,
             "rounds_per_server": args.rounds, "compare_rounds": args.compare_rounds,
             "operator_headroom": args.operator_headroom,
-            "server_flags": "--enforce-eager, VLLM_CPU_KVCACHE_SPACE=1 (kv_budget.serving.ApiServer)",
+            "server_flags": "--enforce-eager, VLLM_CPU_KVCACHE_SPACE=1 (kv_budget_demo.serving.ApiServer)",
             "per_seq_bytes_by_hand": talker_bytes_per_row(DEFAULT_TALKER),
         },
         "off": off,

@@ -33,10 +33,10 @@ from pathlib import Path
 
 from machine import write_results
 
-from kv_budget.demo import DemoServer
-from kv_budget.demo_checkpoint import write_demo_checkpoint
-from kv_budget.serving import send_completions
 from kv_budget.units import MiB, byte_size_argument, format_bytes
+from kv_budget_demo.checkpoint import write_demo_checkpoint
+from kv_budget_demo.demo import DemoServer
+from kv_budget_demo.serving import send_completions
 
 HERE = Path(__file__).resolve().parent
 

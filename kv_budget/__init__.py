@@ -4,7 +4,7 @@ Models declare the attention KV they keep outside vLLM's paged KV pool; the
 planner, run after vLLM has measured memory and allocated its pool, caps
 ``max_num_seqs`` so that per-request KV cannot exceed device headroom.
 This package is importable and testable without vLLM; everything that
-touches vLLM lives in ``vllm_patches``.
+touches vLLM lives in ``kv_budget.vllm``.
 
 vLLM-Omni's public declaration names (``ModelLocalKVSpec``,
 ``ModelLocalKVScope``, ``RowDriver``, ``spec_from_hf_config``,
@@ -16,22 +16,19 @@ Only the declaring surface is imported here, so that a model file that
 declares pulls in torch and the standard library and nothing else (not
 the planner's pydantic, the samplers' psutil, the deploy reader's yaml):
 the planner, samplers and report are imported from their modules
-(``kv_budget.planner``, ``kv_budget.memory``, ``kv_budget.report``).
+(``kv_budget.plan.planner``, ``kv_budget.sample.device``, ``kv_budget.report``).
 """
 
-from .protocol import (
-    Collection,
-    DeclarerFailure,
+from kv_budget.collect import Collection, DeclarerFailure, OwnedSpec, collect_model_local_kv_specs
+from kv_budget.declare.hf_config import spec_from_hf_config
+from kv_budget.declare.spec import (
     HasModelLocalKV,
     InvalidDeclarationError,
     ModelLocalKVScope,
     ModelLocalKVSpec,
-    OwnedSpec,
     RowDriver,
     Scope,
-    collect_model_local_kv_specs,
     normalize_spec,
-    spec_from_hf_config,
 )
 
 __version__ = "0.1.0"

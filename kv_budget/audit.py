@@ -1,6 +1,6 @@
 """Check declarations against the caches a model really holds.
 
-A declaration (:mod:`kv_budget.protocol`) is a promise written by hand; the
+A declaration (:mod:`kv_budget.declare.spec`) is a promise written by hand; the
 planner believes it. If it is short, the planner admits more sequences than
 fit and the server dies of out-of-memory long after a "successful" start. So
 this module builds the model, lets it run, finds every ``transformers`` cache
@@ -98,13 +98,8 @@ from transformers.cache_utils import (
     QuantizedLayer,
 )
 
-from kv_budget.protocol import (
-    ModelLocalKVSpec,
-    RowDriver,
-    collect_model_local_kv_specs,
-    unwrap_model,
-    walk_modules,
-)
+from kv_budget.collect import collect_model_local_kv_specs, unwrap_model, walk_modules
+from kv_budget.declare.spec import ModelLocalKVSpec, RowDriver
 from kv_budget.units import format_bytes
 
 __all__ = [
@@ -616,7 +611,7 @@ def _attribute(
 
 class HeldBytes:
     """The bytes each declaring owner's caches hold now, for sampling while
-    a model serves (:mod:`kv_budget.live`).
+    a model serves (:mod:`kv_budget.watch.live`).
 
     The same finding, attribution and storage counting as
     :func:`audit_module`, but over the declaring owners and their ancestors

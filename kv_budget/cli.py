@@ -3,8 +3,7 @@
 ``kv-budget plan`` sizes a deployment before it starts (one engine from a
 preset or spec file, or every stage of a vLLM-Omni deploy file with
 ``--deploy``, :mod:`kv_budget.deploy`); ``kv-budget audit``
-holds a warmed-up model's declarations to the caches it really holds;
-``kv-budget make-demo-model`` writes the demo checkpoint offline.
+holds a warmed-up model's declarations to the caches it really holds.
 
 Exit codes (documented in the README, stable for scripts):
 
@@ -25,15 +24,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .deploy import DeployError, StageDeclarations, load_deploy, plan_deploy
-from .overrides import (
-    OverrideError,
-    apply_overrides,
-    declaration_label,
-    parse_overrides,
-    unmatched_message,
-)
-from .planner import (
+from kv_budget.collect import Collection
+from kv_budget.declare.presets import PRESETS, preset_collection
+from kv_budget.declare.specfile import SpecFileError, load_spec_file
+from kv_budget.deploy import DeployError, StageDeclarations, load_deploy, plan_deploy
+from kv_budget.override import OverrideError, apply_overrides, declaration_label, parse_overrides, unmatched_message
+from kv_budget.plan.planner import (
     Decision,
     Policy,
     WorkerBudget,
@@ -42,10 +38,8 @@ from .planner import (
     headroom_override,
     make_plan,
 )
-from .presets import PRESETS, preset_collection
-from .protocol import Collection
-from .pool_reserve import plan_reserve, reserve_out_of_pool
-from .report import (
+from kv_budget.plan.reserve import plan_reserve, reserve_out_of_pool
+from kv_budget.report import (
     deploy_infeasible_message,
     infeasible_message,
     render_choices,
@@ -54,8 +48,7 @@ from .report import (
     render_reserve_table,
     reserve_infeasible_message,
 )
-from .specfile import SpecFileError, load_spec_file
-from .units import byte_size_argument, parse_byte_size
+from kv_budget.units import byte_size_argument, parse_byte_size
 
 __all__ = ["main", "EXIT_OK", "EXIT_BAD_INPUT", "EXIT_INFEASIBLE", "EXIT_AUDIT_FAILED"]
 
@@ -96,7 +89,7 @@ def _build_parser() -> argparse.ArgumentParser:
         prog="kv-budget",
         description="Admission control for model-local KV caches kept outside vLLM's paged KV pool.",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,audit,make-demo-model}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,audit}")
 
     plan = sub.add_parser(
         "plan",
@@ -178,9 +171,6 @@ def _build_parser() -> argparse.ArgumentParser:
         help="live sequences the factory left (default: derived from the caches' batch rows)",
     )
     audit.add_argument("--json", action="store_true", help="print only the report as JSON")
-
-    demo = sub.add_parser("make-demo-model", help="write the demo checkpoint (config, random weights, tokenizer)")
-    demo.add_argument("directory")
     return parser
 
 
@@ -399,7 +389,7 @@ def _with_overrides(collection: Collection, texts: list[str]) -> Collection:
 
 
 def _run_audit(args: argparse.Namespace) -> int:
-    from .audit import UnsupportedCacheError, audit_module, load_factory
+    from kv_budget.audit import UnsupportedCacheError, audit_module, load_factory
 
     # Like `python -m`, resolve MODULE from the working directory first, so
     # a project's own warm-up script is importable without installing it.
@@ -414,18 +404,10 @@ def _run_audit(args: argparse.Namespace) -> int:
     return EXIT_AUDIT_FAILED if report.failed else EXIT_OK
 
 
-def _run_make_demo_model(args: argparse.Namespace) -> int:
-    from .demo_checkpoint import write_demo_checkpoint
-
-    path = write_demo_checkpoint(args.directory)
-    print(f"demo checkpoint written to {path}")
-    return EXIT_OK
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
-    runners = {"plan": _run_plan, "audit": _run_audit, "make-demo-model": _run_make_demo_model}
+    runners = {"plan": _run_plan, "audit": _run_audit}
     try:
         return runners[args.command](args)
     except _BadInput as exc:

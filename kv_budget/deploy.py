@@ -52,7 +52,7 @@ Semantics (docs/deploy.md walks through them with the shipped files):
   subtracted: it is allocated while the model loads, profiles or captures
   graphs, so it sits inside the stage's requested share (the pool shrinks to
   make room) or in its graph reserve. Subtracting it again would double count
-  it, as in :mod:`kv_budget.planner`.
+  it, as in :mod:`kv_budget.plan.planner`.
 * **Left for per-sequence KV** on a device = capacity - required (vLLM-Omni's
   terms) - kv_cache excess - every stage's uncharged fixed model-local KV.
   A stage's declarations count on *every* device it lists (each
@@ -82,7 +82,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict
 
-from .planner import (
+from kv_budget.collect import Collection
+from kv_budget.plan.planner import (
     Constraint,
     Decision,
     DeclarationLine,
@@ -92,8 +93,7 @@ from .planner import (
     headroom_override,
     make_plan,
 )
-from .protocol import Collection
-from .units import GiB
+from kv_budget.units import GiB
 
 __all__ = [
     "DeployError",
@@ -886,7 +886,7 @@ def _bound(entry: StageOnDevice, device: int, terms: _Terms,
            decl: StageDeclarations) -> tuple[StageOnDevice, WorkerBudget]:
     """The stage's share of what is left on the device (the split rule) and
     the planner's bound on it there: the share plus the stage's own fixed
-    part is its headroom, so :func:`kv_budget.planner.budget_worker` gives
+    part is its headroom, so :func:`kv_budget.plan.planner.budget_worker` gives
     ``floor(share / per_seq)``. When even the fixed parts do not fit, every
     declaring stage on the device gets less than its fixed part: 0."""
     if terms.left < 0:
@@ -943,7 +943,7 @@ def _device_ledger(device: int, entries: list[StageOnDevice], terms: _Terms, eff
 def _stage_plan(stage: StageDeploy, decl: StageDeclarations | None, split: WorkerBudget | None,
                 workers: list[WorkerBudget], policy: Policy) -> StagePlan:
     """A stage's bound: the minimum over its devices, decided by
-    :func:`kv_budget.planner.make_plan` under ``policy``."""
+    :func:`kv_budget.plan.planner.make_plan` under ``policy``."""
     configured = stage.max_num_seqs
     constraints = []
     if configured is not None:

@@ -8,11 +8,11 @@ effective value is shown as their minimum.
 
 from __future__ import annotations
 
-from .deploy import DeployPlan, DeviceLedger, StageOnDevice, StagePlan
-from .planner import Charge, DeclarationLine, Decision, FailureLine, Plan, WorkerBudget
-from .pool_reserve import ReservePlan
-from .protocol import RowDriver
-from .units import format_bytes
+from kv_budget.declare.spec import RowDriver
+from kv_budget.deploy import DeployPlan, DeviceLedger, StageOnDevice, StagePlan
+from kv_budget.plan.planner import Charge, Decision, DeclarationLine, FailureLine, Plan, WorkerBudget
+from kv_budget.plan.reserve import ReservePlan
+from kv_budget.units import format_bytes
 
 __all__ = ["render_plan_table", "infeasible_message", "summary_line", "render_deploy_table",
            "deploy_infeasible_message", "render_reserve_table", "reserve_infeasible_message", "render_choices"]

@@ -16,10 +16,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from .live import DEFAULT_SAMPLE_INTERVAL_S
-from .overrides import OverrideError, parse_overrides
-from .planner import Policy
-from .units import parse_byte_size
+from kv_budget.override import OverrideError, parse_overrides
+from kv_budget.plan.planner import Policy
+from kv_budget.units import parse_byte_size
+from kv_budget.watch.live import DEFAULT_SAMPLE_INTERVAL_S
 
 __all__ = ["CONFIG_KEY", "DEFAULT_POLICY", "LEDGER_OFF", "ModelLocalKVSettings", "settings_from_additional_config"]
 
@@ -48,7 +48,7 @@ class ModelLocalKVSettings(BaseModel):
     """Where to write the startup plan as JSON; None: no file."""
 
     overrides: tuple[str, ...] = ()
-    """Operator corrections ``OWNER/NAME:FIELD=VALUE`` (:mod:`kv_budget.overrides`),
+    """Operator corrections ``OWNER/NAME:FIELD=VALUE`` (:mod:`kv_budget.override`),
     applied in order before planning. Kept as text: it crosses process
     boundaries inside ``additional_config``, which must stay JSON."""
 
@@ -65,7 +65,7 @@ class ModelLocalKVSettings(BaseModel):
 
     sample_interval_s: float = DEFAULT_SAMPLE_INTERVAL_S
     """Seconds between live samples of model-local KV while serving
-    (:mod:`kv_budget.live`); 0 turns live sampling off."""
+    (:mod:`kv_budget.watch.live`); 0 turns live sampling off."""
 
 
 _KNOWN = (

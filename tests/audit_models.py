@@ -23,7 +23,8 @@ from transformers import (
     WhisperForConditionalGeneration,
 )
 
-from kv_budget.protocol import ModelLocalKVSpec, RowDriver, Scope, spec_from_hf_config
+from kv_budget.declare.hf_config import spec_from_hf_config
+from kv_budget.declare.spec import ModelLocalKVSpec, RowDriver, Scope
 
 VOCAB = 128
 MING_STATIC_POSITIONS = 2048

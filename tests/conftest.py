@@ -14,8 +14,8 @@ import os
 from pathlib import Path
 
 import pytest
-
 from engine_support import OMP_BIND_ENV
+
 from kv_budget.ledger import LEDGER_DIR_ENV
 
 
@@ -54,7 +54,7 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory) -> Path:
     """The demo checkpoint: a talker with per-step rows of 1,114,112 B per sequence."""
-    from kv_budget.demo_checkpoint import write_demo_checkpoint
+    from kv_budget_demo.checkpoint import write_demo_checkpoint
 
     return write_demo_checkpoint(tmp_path_factory.mktemp("demo") / "checkpoint")
 
@@ -62,7 +62,7 @@ def checkpoint(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def raising_checkpoint(tmp_path_factory) -> Path:
     """The demo checkpoint with a declarer that raises."""
-    from kv_budget.demo_checkpoint import write_demo_checkpoint
+    from kv_budget_demo.checkpoint import write_demo_checkpoint
 
     return write_demo_checkpoint(tmp_path_factory.mktemp("raising") / "checkpoint", {"declarer_raises": True})
 
@@ -72,6 +72,6 @@ def request_checkpoint(tmp_path_factory) -> Path:
     """The demo checkpoint whose talker keeps its rows from a request's first
     step until it finishes (scope request): what a live sample between steps
     can see. Same bytes per sequence."""
-    from kv_budget.demo_checkpoint import write_demo_checkpoint
+    from kv_budget_demo.checkpoint import write_demo_checkpoint
 
     return write_demo_checkpoint(tmp_path_factory.mktemp("request") / "checkpoint", {"lifetime": "request"})

@@ -31,10 +31,10 @@ def install_fault(kind: str, rank: int = 0) -> None:
     RPC. ``sampling_fails``: that worker cannot sample its device memory.
     ``live_sample_raises``: every live sample fails in the workers."""
     if kind in ("planning_raises", "sampling_fails"):
-        from kv_budget.memory import MemorySamplingError
-        from vllm_patches import engine_hook
+        from kv_budget.sample.device import MemorySamplingError
+        from kv_budget.vllm import startup_hook
 
-        original = engine_hook._worker_headroom
+        original = startup_hook._worker_headroom
 
         def headroom(worker, config, sharers):
             if worker.rank != rank:
@@ -43,7 +43,7 @@ def install_fault(kind: str, rank: int = 0) -> None:
                 raise RuntimeError(f"injected fault on rank {rank}")
             raise MemorySamplingError(f"injected: no memory figure on rank {rank}")
 
-        engine_hook._worker_headroom = headroom
+        startup_hook._worker_headroom = headroom
     elif kind == "live_sample_raises":
         from kv_budget.audit import HeldBytes
 

@@ -22,9 +22,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from kv_budget.demo import read_peak_stats
-from kv_budget.demo_checkpoint import DEFAULT_TALKER, talker_bytes_per_row
 from kv_budget.units import GiB, MiB
+from kv_budget_demo.checkpoint import DEFAULT_TALKER, talker_bytes_per_row
+from kv_budget_demo.demo import read_peak_stats
 
 HEADROOM = 96 * MiB
 PER_SEQ = talker_bytes_per_row(DEFAULT_TALKER)  # 1,114,112 B: 2x4x2x64x256x4 + 2x1x2x64x64x4
@@ -43,7 +43,7 @@ LLM_RUNNER = Path(__file__).with_name("engine_llm_run.py")
 def has_max_num_active_seqs() -> bool:
     """vLLM 0.30 has no ``max_num_active_seqs``; where it exists the cap must
     lower it too. Read from the installed vLLM when a test asks, not at import."""
-    from vllm_patches.compat import InstalledVllm, detect_features
+    from kv_budget.vllm.compat import InstalledVllm, detect_features
 
     return detect_features(InstalledVllm()).max_num_active_seqs
 

@@ -34,7 +34,8 @@ from kv_budget.audit import (
     load_factory,
     measure_cache_bytes,
 )
-from kv_budget.protocol import ModelLocalKVSpec, RowDriver, Scope, spec_from_hf_config
+from kv_budget.declare.hf_config import spec_from_hf_config
+from kv_budget.declare.spec import ModelLocalKVSpec, RowDriver, Scope
 from kv_budget.units import format_bytes
 
 F32 = 4

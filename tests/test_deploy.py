@@ -2,7 +2,7 @@
 ledger, model-local KV on top, the split rule, exit codes.
 
 The deploy files are vLLM-Omni 0.30.0's own, from its wheel
-(``kv_budget.omni.files.omni_root()``). The admission terms are checked
+(``peers.vllm_omni.files.omni_root()``). The admission terms are checked
 against vLLM-Omni's ``evaluate()`` itself on the same stage demands, and
 against figures worked out by hand here (never read back from the code under
 test)."""
@@ -18,12 +18,12 @@ from types import SimpleNamespace
 import pytest
 
 from kv_budget.cli import EXIT_BAD_INPUT, EXIT_INFEASIBLE, EXIT_OK, main
+from kv_budget.declare.presets import preset_collection
+from kv_budget.declare.specfile import load_spec_file
 from kv_budget.deploy import DeployError, StageDeclarations, load_deploy, plan_deploy
-from kv_budget.omni.files import OmniFilesUnavailable, import_omni_module, omni_root
-from kv_budget.planner import Decision
-from kv_budget.presets import preset_collection
-from kv_budget.specfile import load_spec_file
+from kv_budget.plan.planner import Decision
 from kv_budget.units import GiB, MiB
+from peers.vllm_omni.files import OmniFilesUnavailable, import_omni_module, omni_root
 
 QWEN3_TTS_PER_SEQ = 2 * (2 * 8 * 16 * 64 * 71 * 2)
 """Two bfloat16 rows (retained + working copy) of 8 layers x 16 kv heads x

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 from engine_support import HEADROOM, PER_SEQ
-from kv_budget.demo import DemoServer
-from kv_budget.serving import LoadResult, ServerStartError, send_completions
+
 from kv_budget.units import MiB
+from kv_budget_demo.demo import DemoServer
+from kv_budget_demo.serving import LoadResult, ServerStartError, send_completions
 
 pytestmark = pytest.mark.engine
 

@@ -24,14 +24,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 from engine_support import metric_sum
-from kv_budget.demo import DemoServer, read_peak_stats
-from kv_budget.demo_checkpoint import DEFAULT_TALKER, talker_bytes_per_row, write_demo_checkpoint
-from kv_budget.live import DEAD_AFTER_COMPLETED
-from kv_budget.serving import LoadResult, StreamingResult, send_completions, send_streaming_completions
-from kv_budget.status import STATUS_DIR_ENV, read_status, status_path
+
 from kv_budget.units import MiB
+from kv_budget.watch.live import DEAD_AFTER_COMPLETED
+from kv_budget.watch.status import STATUS_DIR_ENV, read_status, status_path
+from kv_budget_demo.checkpoint import DEFAULT_TALKER, talker_bytes_per_row, write_demo_checkpoint
+from kv_budget_demo.demo import DemoServer, read_peak_stats
+from kv_budget_demo.serving import LoadResult, StreamingResult, send_completions, send_streaming_completions
 
 pytestmark = pytest.mark.engine
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from engine_support import (
     CAP,
     PER_SEQ,
@@ -24,7 +23,8 @@ from engine_support import (
     kv_cache_tokens,
     run_llm,
 )
-from kv_budget.demo_checkpoint import DEFAULT_TALKER, talker_bytes_per_row
+
+from kv_budget_demo.checkpoint import DEFAULT_TALKER, talker_bytes_per_row
 
 pytestmark = pytest.mark.engine
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from engine_support import (
     CAP,
     HEADROOM,
@@ -22,8 +21,9 @@ from engine_support import (
     kv_budget_lines,
     run_llm,
 )
-from kv_budget.demo_checkpoint import DEFAULT_TALKER, talker_bytes_per_row
+
 from kv_budget.units import GiB
+from kv_budget_demo.checkpoint import DEFAULT_TALKER, talker_bytes_per_row
 
 pytestmark = pytest.mark.engine
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from engine_support import (
     TWO_CORES,
     TWO_WORKERS,
@@ -20,8 +19,9 @@ from engine_support import (
     faulty_env,
     run_llm,
 )
-from kv_budget.demo_checkpoint import DEFAULT_TALKER, talker_bytes_per_row
+
 from kv_budget.units import MiB
+from kv_budget_demo.checkpoint import DEFAULT_TALKER, talker_bytes_per_row
 
 pytestmark = pytest.mark.engine
 

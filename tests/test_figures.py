@@ -13,9 +13,9 @@ import torch
 from transformers import Qwen2Config
 
 from kv_budget import RowDriver, Scope, spec_from_hf_config
-from kv_budget.planner import budget_worker, headroom_override
-from kv_budget.overrides import apply_overrides, parse_override
-from kv_budget.presets import PRESETS, preset_collection
+from kv_budget.declare.presets import PRESETS, preset_collection
+from kv_budget.override import apply_overrides, parse_override
+from kv_budget.plan.planner import budget_worker, headroom_override
 
 
 def _by_name(preset):

@@ -1,4 +1,4 @@
-"""The frontend glue (:mod:`vllm_patches.frontend`) against the installed
+"""The frontend glue (:mod:`kv_budget.vllm.frontend`) against the installed
 vLLM, in process, without an engine: the cap taken into a real
 ``VllmConfig``, the stat-logger entry point as vLLM loads it, and the stat
 logger publishing a real status file into prometheus_client's registry.
@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
-import vllm_patches
+import kv_budget.vllm
 from kv_budget import Collection, ModelLocalKVSpec, OwnedSpec
-from kv_budget.planner import budget_worker, headroom_override, make_plan
-from kv_budget.status import STATUS_DIR_ENV, EngineStatus, status_path, write_status
-from vllm_patches.cli_flags import PATCH_MARK
-from vllm_patches.compat import checked_vllm
+from kv_budget.plan.planner import budget_worker, headroom_override, make_plan
+from kv_budget.vllm.compat import checked_vllm
+from kv_budget.vllm.patching import PATCH_MARK
+from kv_budget.watch.status import STATUS_DIR_ENV, EngineStatus, status_path, write_status
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -28,15 +28,15 @@ pytestmark = pytest.mark.vllm
 @pytest.fixture(scope="module", autouse=True)
 def registered():
     pytest.importorskip("vllm")
-    vllm_patches.register()
+    kv_budget.vllm.register()
 
 
 @pytest.fixture(scope="module")
 def frontend():
-    """:mod:`vllm_patches.frontend`, which imports vLLM: imported when a test
+    """:mod:`kv_budget.vllm.frontend`, which imports vLLM: imported when a test
     runs, so that collecting this module (which every fast run does before
     deselecting it) imports no vLLM."""
-    from vllm_patches import frontend
+    from kv_budget.vllm import frontend
 
     return frontend
 
@@ -55,8 +55,8 @@ def test_the_ready_response_patch_is_applied_once():
     patched = MPClient._apply_ready_response
     assert getattr(patched, PATCH_MARK, False)
     assert not getattr(patched.__wrapped__, PATCH_MARK, False)
-    vllm_patches._registered = False  # a process that loads the plugin again
-    vllm_patches.register()
+    kv_budget.vllm._registered = False  # a process that loads the plugin again
+    kv_budget.vllm.register()
     assert MPClient._apply_ready_response is patched
 
 
@@ -105,7 +105,7 @@ def _status(model: str, engine_index: int) -> EngineStatus:
 def model_config(tmp_path_factory) -> VllmConfig:
     from vllm.config import ModelConfig, VllmConfig
 
-    from kv_budget.demo_checkpoint import write_demo_checkpoint
+    from kv_budget_demo.checkpoint import write_demo_checkpoint
 
     checkpoint = write_demo_checkpoint(tmp_path_factory.mktemp("demo") / "checkpoint")
     return VllmConfig(model_config=ModelConfig(model=str(checkpoint), max_model_len=256,

@@ -14,9 +14,8 @@ import pytest
 import torch
 
 from kv_budget import Collection, ModelLocalKVSpec, OwnedSpec
-from kv_budget.planner import budget_worker, headroom_override
 from kv_budget.ledger import LedgerError, open_ledger
-from kv_budget.planner import shared_budget
+from kv_budget.plan.planner import budget_worker, headroom_override, shared_budget
 
 HOST = "host:test"
 

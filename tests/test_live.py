@@ -1,6 +1,6 @@
 """Live protection, without an engine: real transformers caches filled by
 real generation, measured by :class:`kv_budget.audit.HeldBytes`, judged by
-:class:`kv_budget.live.LiveMonitor` against a plan made from the owners'
+:class:`kv_budget.watch.live.LiveMonitor` against a plan made from the owners'
 own declarations."""
 
 from __future__ import annotations
@@ -10,10 +10,18 @@ import torch
 from audit_models import generate_into, small_qwen2_config, tiny_lm
 from transformers import DynamicCache
 
-from kv_budget.planner import budget_worker, headroom_override, make_plan
 from kv_budget.audit import HeldBytes, audit_module
-from kv_budget.live import DEAD_AFTER_COMPLETED, MAX_SAMPLING_FRACTION, LiveMonitor, WorkerSample, owner_expectations
-from kv_budget.protocol import RowDriver, Scope, collect_model_local_kv_specs, spec_from_hf_config
+from kv_budget.collect import collect_model_local_kv_specs
+from kv_budget.declare.hf_config import spec_from_hf_config
+from kv_budget.declare.spec import RowDriver, Scope
+from kv_budget.plan.planner import budget_worker, headroom_override, make_plan
+from kv_budget.watch.live import (
+    DEAD_AFTER_COMPLETED,
+    MAX_SAMPLING_FRACTION,
+    LiveMonitor,
+    WorkerSample,
+    owner_expectations,
+)
 
 PROMPT, NEW = 6, 5
 HELD_POSITIONS = PROMPT + NEW - 1  # generate never feeds back its last token

@@ -12,11 +12,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from kv_budget.memory import (
+from kv_budget.sample.device import (
     CpuSampler,
-    cgroup_memory,
     MemorySamplingError,
     NvmlSampler,
+    cgroup_memory,
     device_identity,
     nvml_index_for_torch_device,
     sample_memory,

@@ -1,5 +1,5 @@
 """The mapping from an engine's status to Prometheus samples
-(:mod:`kv_budget.metrics`), on a plan the planner built from a real
+(:mod:`kv_budget.watch.metrics`), on a plan the planner built from a real
 collection and live figures a real :class:`LiveMonitor` computed, read
 back through the status file as the API server reads it. Expected values
 are worked out by hand from the declarations' geometry."""
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from kv_budget import Collection, ModelLocalKVSpec, OwnedSpec
-from kv_budget.planner import budget_worker, headroom_override, make_plan
-from kv_budget.live import LiveMonitor, OwnerBytes, WorkerSample
-from kv_budget.metrics import (
+from kv_budget.plan.planner import budget_worker, headroom_override, make_plan
+from kv_budget.watch.live import LiveMonitor, OwnerBytes, WorkerSample
+from kv_budget.watch.metrics import (
     DECLARATION_LABELS,
     FINDING_KINDS,
     METRICS,
@@ -22,7 +22,7 @@ from kv_budget.metrics import (
     VERDICTS,
     status_samples,
 )
-from kv_budget.status import EngineStatus, read_status, write_status
+from kv_budget.watch.status import EngineStatus, read_status, write_status
 
 ROW = 2 * 64 * 4  # bytes per position: K and V, one layer, one kv head, head_dim 64, fp32
 

@@ -4,7 +4,7 @@ Every declaration here is built by vLLM-Omni 0.30.0's code: its declaration
 module, its Qwen3-TTS codec decoder's declarer and its real CUDA-graph
 decoder wrapper (constructed without capture, which is what makes the
 decoder declare its per-request caches), all from the wheel
-(``kv_budget.omni.files``). No class here imitates theirs: a hand-written
+(``peers.vllm_omni.files``). No class here imitates theirs: a hand-written
 look-alike is how kv-budget came to refuse every per-sequence declaration
 vLLM-Omni makes while its tests passed.
 """
@@ -23,13 +23,8 @@ from kv_budget import (
     collect_model_local_kv_specs,
     normalize_spec,
 )
-from kv_budget.planner import budget_worker, headroom_override, make_plan
-from kv_budget.omni.files import (
-    DECLARATION_MODULE,
-    OmniFilesUnavailable,
-    exec_omni_source,
-    import_omni_module,
-)
+from kv_budget.plan.planner import budget_worker, headroom_override, make_plan
+from peers.vllm_omni.files import DECLARATION_MODULE, OmniFilesUnavailable, exec_omni_source, import_omni_module
 
 TOKENIZER = "vllm_omni.model_executor.models.qwen3_tts.tokenizer_12hz."
 DECODER_MODULE = TOKENIZER + "modeling_qwen3_tts_tokenizer_v2"

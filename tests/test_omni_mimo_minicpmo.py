@@ -2,8 +2,8 @@
 Whisper encoder, run on the CPU and audited.
 
 Both models are built by vLLM-Omni's own constructors and driven through
-their own decode and streaming paths (``kv_budget.omni.mimo_audio`` and
-``kv_budget.omni.minicpm_o`` say exactly what is not theirs). Expected bytes
+their own decode and streaming paths (``peers.vllm_omni.mimo_audio`` and
+``peers.vllm_omni.minicpm_o`` say exactly what is not theirs). Expected bytes
 are computed here from the geometry those modules configure
 (2 x layers x kv heads x head_dim x positions x 2 bytes for bfloat16, times
 rows), never read back from what the audit measured, so each test fails if
@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from kv_budget.audit import audit_module
-from kv_budget.omni.files import OmniFilesUnavailable
+from peers.vllm_omni.files import OmniFilesUnavailable
 
 # network as well: a run given its own -m (make test-fast) replaces setup.cfg's
 # "not omni_models", and these build their models from vLLM-Omni's wheel.
@@ -48,7 +48,7 @@ def _only_owner(report, owner):
 
 @pytest.fixture(scope="module")
 def mimo():
-    from kv_budget.omni import mimo_audio
+    from peers.vllm_omni import mimo_audio
 
     return mimo_audio
 
@@ -105,7 +105,7 @@ def test_mimo_audit_matches(mimo, mimo_row, batch):
 
 @pytest.fixture(scope="module")
 def minicpm():
-    from kv_budget.omni import minicpm_o
+    from peers.vllm_omni import minicpm_o
 
     return minicpm_o
 

@@ -1,7 +1,7 @@
 """kv-budget's audit against vLLM-Omni 0.30.0's own Qwen3-TTS code2wav stage.
 
 The stage model, its codec decoder and its CUDA-graph wrapper are vLLM-Omni's
-classes, imported from its wheel (``kv_budget.omni.qwen3_tts`` builds and
+classes, imported from its wheel (``peers.vllm_omni.qwen3_tts`` builds and
 drives them on the CPU). Expected bytes come from the geometry
 (2 x layers x kv heads x head_dim x positions x dtype size x rows) and the
 positions from how the decoder slices its sliding window, never from what the
@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from kv_budget.audit import audit_module
-from kv_budget.omni.files import OmniFilesUnavailable, omni_root
-from kv_budget.protocol import RowDriver, Scope, collect_model_local_kv_specs
+from kv_budget.collect import collect_model_local_kv_specs
+from kv_budget.declare.spec import RowDriver, Scope
+from peers.vllm_omni.files import OmniFilesUnavailable, omni_root
 
 # network as well: a run given its own -m (make test-fast) replaces setup.cfg's
 # "not omni_models", and these build their models from vLLM-Omni's wheel.
@@ -48,7 +49,7 @@ def qwen3_tts():
         omni_root()
     except OmniFilesUnavailable as exc:
         pytest.skip(str(exc))
-    from kv_budget.omni import qwen3_tts
+    from peers.vllm_omni import qwen3_tts
 
     assert (qwen3_tts.LAYERS, qwen3_tts.KV_HEADS, qwen3_tts.HEAD_DIM, qwen3_tts.DTYPE) == (
         LAYERS,
@@ -112,7 +113,7 @@ def test_the_stateless_paths_declare_nothing(qwen3_tts):
 
 
 # --------------------------------------------------------------------------
-# Audits of the factories (what `kv-budget audit kv_budget.omni.qwen3_tts:NAME` prints)
+# Audits of the factories (what `kv-budget audit peers.vllm_omni.qwen3_tts:NAME` prints)
 
 
 def test_audit_async_chunk_eager_is_undeclared(qwen3_tts):
@@ -173,7 +174,7 @@ def test_audit_stateless_holds_nothing(qwen3_tts):
 
 
 # --------------------------------------------------------------------------
-# Measured figures (kv_budget.omni.qwen3_tts.measure)
+# Measured figures (peers.vllm_omni.qwen3_tts.measure)
 
 
 def test_measured_declarations(figures):

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from kv_budget import Collection, ModelLocalKVSpec, OwnedSpec
-from kv_budget.planner import budget_worker, headroom_override, make_plan
-from kv_budget.overrides import OverrideError, apply_overrides, parse_override, unmatched_message
+from kv_budget.override import OverrideError, apply_overrides, parse_override, unmatched_message
+from kv_budget.plan.planner import budget_worker, headroom_override, make_plan
 from kv_budget.report import render_plan_table
 
 # 2 x 2 layers x 2 kv heads x 64 head_dim x 71 positions x 4 B

@@ -9,9 +9,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kv_budget import Collection, ModelLocalKVSpec, OwnedSpec
-from kv_budget.planner import Decision, Policy, budget_worker, headroom_from_free, headroom_override, make_plan
-from kv_budget.planner import default_margin_bytes, headroom_outside_requested
-from kv_budget.protocol import DeclarerFailure
+from kv_budget.collect import DeclarerFailure
+from kv_budget.plan.planner import (
+    Decision,
+    Policy,
+    budget_worker,
+    default_margin_bytes,
+    headroom_from_free,
+    headroom_outside_requested,
+    headroom_override,
+    make_plan,
+)
 from kv_budget.report import infeasible_message, render_plan_table, summary_line
 from kv_budget.units import GiB, MiB
 

@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kv_budget import Collection, ModelLocalKVSpec, OwnedSpec
-from kv_budget.planner import budget_worker, headroom_override, make_plan
-from kv_budget.pool_reserve import plan_reserve, reserve_out_of_pool
+from kv_budget.plan.planner import budget_worker, headroom_override, make_plan
+from kv_budget.plan.reserve import plan_reserve, reserve_out_of_pool
 from kv_budget.report import render_reserve_table, reserve_infeasible_message
 from kv_budget.units import GiB, MiB
 
@@ -115,7 +115,7 @@ def test_the_reservation_is_recorded_in_the_device_ledger_for_engines_that_sampl
 
     from kv_budget.ledger import open_ledger
     from kv_budget.settings import ModelLocalKVSettings
-    from vllm_patches.pool_hook import _record_in_ledger
+    from kv_budget.vllm.pool_hook import _record_in_ledger
 
     workers = [worker(spec("kv", 100), rank=0), worker(spec("kv", 100), spec("postnet", 60), rank=1)]
     plan = plan_reserve([reserve_out_of_pool(w, 256, GiB, BLOCK, SEQUENCE) for w in workers], 256, 256)

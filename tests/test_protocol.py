@@ -321,7 +321,7 @@ def test_fast_owner_walk_keeps_named_modules_paths_order_and_dedup():
     named_modules() plus getattr would, at the same paths, in the same order."""
     from transformers import Qwen2ForCausalLM
 
-    from kv_budget.protocol import _declaring_modules
+    from kv_budget.collect import _declaring_modules
 
     shared = Owner([make(name="shared")])
     tree = torch.nn.ModuleDict({
@@ -419,7 +419,7 @@ def test_a_declarer_whose_sequence_raises_part_way_keeps_what_came_before():
 
 
 def test_a_renamed_duplicate_is_what_an_override_names():
-    from kv_budget.overrides import apply_overrides, parse_overrides
+    from kv_budget.override import apply_overrides, parse_overrides
 
     collection = collect_model_local_kv_specs(Owner([make(name="kv"), make(name="kv")]))
     corrected, unmatched = apply_overrides(collection, parse_overrides(["<root>/kv#2:physical_capacity_positions=16"]))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kv_budget.planner import Policy
+from kv_budget.plan.planner import Policy
 from kv_budget.settings import DEFAULT_POLICY, settings_from_additional_config
 from kv_budget.units import GiB, MiB
 
@@ -70,7 +70,7 @@ def test_ledger_directory_and_share():
 
 
 def test_sample_interval_defaults_to_the_measured_default_and_zero_turns_sampling_off():
-    from kv_budget.live import DEFAULT_SAMPLE_INTERVAL_S
+    from kv_budget.watch.live import DEFAULT_SAMPLE_INTERVAL_S
 
     assert settings_from_additional_config({}).sample_interval_s == DEFAULT_SAMPLE_INTERVAL_S
     assert settings_from_additional_config({"model_local_kv": {"sample_interval_s": 0}}).sample_interval_s == 0.0

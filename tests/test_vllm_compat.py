@@ -1,4 +1,4 @@
-"""``vllm_patches.compat`` against vLLM's real code: the installed vLLM, read
+"""``kv_budget.vllm.compat`` against vLLM's real code: the installed vLLM, read
 live and as files; copies of its files with one hook point broken; and
 vLLM 0.33.0's published source, which has no CPU build to run."""
 
@@ -11,18 +11,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from kv_budget.published_wheels import WheelUnavailable, unpacked_wheel
-from vllm_patches import compat
-from vllm_patches.compat import (
+from kv_budget.vllm import compat
+from kv_budget.vllm.compat import (
     ARG_UTILS,
-    ENGINE_CORE,
-    EXECUTOR,
     CORE_CLIENT,
+    ENGINE_CORE,
     ENGINE_MESSAGES,
-    GPU_WORKER,
+    EXECUTOR,
     HOOK_POINTS,
-    METRICS_LOGGERS,
     KV_CACHE_INTERFACE,
+    METRICS_LOGGERS,
     SCHEDULER,
     SCHEDULER_CONFIG,
     InstalledVllm,
@@ -32,9 +30,10 @@ from vllm_patches.compat import (
     hook_point_problems,
     support_of,
 )
+from peers.wheels import WheelUnavailable, unpacked_wheel
 
 HOOK_MODULES = (ARG_UTILS, ENGINE_CORE, SCHEDULER_CONFIG, SCHEDULER, EXECUTOR, KV_CACHE_INTERFACE, CORE_CLIENT,
-                ENGINE_MESSAGES, GPU_WORKER, METRICS_LOGGERS)
+                ENGINE_MESSAGES, METRICS_LOGGERS)
 PATCHED_METHODS = (
     (ARG_UTILS, "EngineArgs", "add_cli_args"),
     (ARG_UTILS, "EngineArgs", "from_cli_args"),
@@ -47,7 +46,6 @@ PATCHED_METHODS = (
     (ENGINE_CORE, "EngineCore", "step"),
     (ENGINE_CORE, "EngineCore", "step_with_batch_queue"),
     (CORE_CLIENT, "MPClient", "_apply_ready_response"),
-    (GPU_WORKER, "Worker", "execute_model"),
 )
 
 
@@ -78,9 +76,9 @@ def test_every_hook_point_holds_read_live_and_read_as_files(installed_root):
 def test_the_live_reader_sees_past_kv_budgets_own_wrappers(installed_root):
     """After ``register`` the patched methods are wrappers taking
     ``*args``; the check must still read vLLM's own signature."""
-    import vllm_patches
+    import kv_budget.vllm
 
-    vllm_patches.register()
+    kv_budget.vllm.register()
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine.core import EngineCore
 
@@ -272,11 +270,11 @@ def test_vllm_033_is_listed_as_checked_against_source_not_run():
     assert [r.series for r in compat.SUPPORTED_VLLM if r.how == "run"] == ["0.30", "0.31", "0.32"]
 
 
-def test_every_supported_version_is_in_the_readme_table():
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+def test_every_supported_version_is_in_the_support_table():
+    support = (Path(__file__).parent.parent / "docs" / "support.md").read_text()
     for row in compat.SUPPORTED_VLLM:
         how = compat.HOW_CHECKED[row.how]
-        assert f"| {row.series}.x | {row.checked_on}: {how} | {row.transformers} |" in readme, row
+        assert f"| {row.series}.x | {row.checked_on}: {how} | {row.transformers} |" in support, row
 
 
 # --- behaviour checked while an engine starts ---------------------------------
@@ -322,7 +320,7 @@ def test_vllm_omnis_overrides_still_reach_the_reserve_hook():
     worker (reached through the executor's RPC, which the hook wraps) and
     wraps the executor's in its phase lock, calling ``super()``: either way
     the figure passes through vLLM's ``Executor`` method the hook patches."""
-    from kv_budget.omni.files import OmniFilesUnavailable, omni_root
+    from peers.vllm_omni.files import OmniFilesUnavailable, omni_root
 
     try:
         root = omni_root()

@@ -11,10 +11,11 @@ from types import SimpleNamespace
 
 import pytest
 
-import vllm_patches
+import kv_budget.vllm
 from kv_budget.settings import ModelLocalKVSettings, settings_from_additional_config
-from vllm_patches import compat
-from vllm_patches.cli_flags import PATCH_MARK, add_flags
+from kv_budget.vllm import compat
+from kv_budget.vllm.flags import add_flags
+from kv_budget.vllm.patching import PATCH_MARK
 
 pytestmark = pytest.mark.vllm
 
@@ -42,7 +43,7 @@ def vllm_classes() -> SimpleNamespace:
 
 @pytest.fixture(scope="module", autouse=True)
 def registered(vllm):
-    vllm_patches.register()
+    kv_budget.vllm.register()
 
 
 @pytest.fixture(autouse=True)
@@ -54,8 +55,8 @@ def checked_vllm_restored(monkeypatch):
 
 def test_entry_point_is_declared_for_vllm():
     (entry,) = [e for e in importlib.metadata.entry_points(group="vllm.general_plugins") if e.name == "kv_budget"]
-    assert entry.value == "vllm_patches:register"
-    assert entry.load() is vllm_patches.register
+    assert entry.value == "kv_budget.vllm:register"
+    assert entry.load() is kv_budget.vllm.register
 
 
 def test_register_is_idempotent():
@@ -67,9 +68,9 @@ def test_register_is_idempotent():
                 v.Executor.determine_available_memory, v.Executor.initialize_from_config)
 
     before = patched()
-    vllm_patches._registered = False  # as in a fresh process that loads the plugin again
-    vllm_patches.register()
-    vllm_patches.register()
+    kv_budget.vllm._registered = False  # as in a fresh process that loads the plugin again
+    kv_budget.vllm.register()
+    kv_budget.vllm.register()
     after = patched()
     assert before == after
     assert all(getattr(fn, PATCH_MARK, False) for fn in after)
@@ -125,7 +126,7 @@ def test_override_flags_add_to_the_overrides_of_additional_config_in_order():
 
 
 def test_bad_override_is_a_value_error_where_the_config_is_built(vllm, tmp_path):
-    from kv_budget.demo_checkpoint import write_demo_checkpoint
+    from kv_budget_demo.checkpoint import write_demo_checkpoint
 
     checkpoint = write_demo_checkpoint(tmp_path / "ckpt")
     with pytest.raises(ValueError, match="'overrides'.*field 'positions' cannot be overridden"):
@@ -190,7 +191,7 @@ def test_bad_flag_values_are_argparse_errors_on_the_api_servers_parser(capsys, a
 )
 def test_llm_with_bad_additional_config_raises_value_error_naming_the_key(vllm, tmp_path, section, key):
     """Raised by LLM(...) in the caller's process, before any engine starts."""
-    from kv_budget.demo_checkpoint import write_demo_checkpoint
+    from kv_budget_demo.checkpoint import write_demo_checkpoint
 
     checkpoint = write_demo_checkpoint(tmp_path / "ckpt")
     with pytest.raises(ValueError, match=key):
@@ -238,7 +239,7 @@ def test_demo_architecture_is_registered():
 
 
 def test_argparse_namespace_without_flags_is_not_touched():
-    from vllm_patches.cli_flags import merge_flags_into_additional_config
+    from kv_budget.vllm.flags import merge_flags_into_additional_config
 
     class Args:
         additional_config = {"x": 1}
@@ -248,7 +249,7 @@ def test_argparse_namespace_without_flags_is_not_touched():
 
 
 def test_an_unwritable_report_path_warns_and_does_not_stop_the_engine(tmp_path, caplog):
-    from vllm_patches.engine_hook import write_report
+    from kv_budget.vllm.startup_hook import write_report
 
     blocker = tmp_path / "a-file"
     blocker.write_text("")

@@ -1,0 +1,221 @@
+"""The API-server process: learn the engine's cap, publish its figures.
+
+vLLM runs the engine core in a process of its own; the API-server process
+(the "frontend", where ``AsyncLLM`` and the OpenAI routes live) holds a copy
+of the ``VllmConfig`` made before the engine core started. The startup plan
+lowers ``max_num_seqs`` in the engine core's copy only, so two things would
+otherwise stay wrong in the frontend:
+
+**The cap** (:func:`patch_ready_response`). At the end of startup every
+engine core sends its frontends an ``EngineCoreReadyResponse`` carrying its
+``max_num_seqs``; ``MPClient._apply_ready_response`` copies several of its
+fields (``max_model_len``, the block counts) into the frontend's config but
+not that one. The wrapper copies it too, lowering only (several
+data-parallel engines each answer: the frontend keeps the minimum), with
+``max_num_active_seqs`` where the vLLM has one. What reads it in the
+frontend: the token-in/token-out endpoint (``/inference/v1/generate``,
+under ``--enable-scale-out``) rejects a request whose ``n`` exceeds it,
+``/server_info`` (``VLLM_SERVER_DEV_MODE=1``) reports it, and the offline
+pooling path sizes how many requests it keeps in the engine from it. With
+the configured value those would admit ``n`` sequences the engine never
+runs at once and report a limit that is not in force. Under ``reserve``,
+``warn`` and ``off`` the engine's value is the configured one and nothing
+changes. The hook point is checked by ``compat.check_vllm``
+(``MPClient._apply_ready_response(self, payload)``,
+``EngineCoreReadyResponse.max_num_seqs``).
+
+**The figures** (:class:`KvBudgetStatLogger`). The plan and the live
+monitor's figures are in the engine core; the status file
+(:mod:`kv_budget.watch.status`) brings them here, and this stat logger, a vLLM
+``vllm.stat_logger_plugins`` entry point, publishes them as ``kv_budget:``
+gauges on vLLM's own ``/metrics`` (names, help texts and labels:
+:mod:`kv_budget.watch.metrics`). vLLM builds one instance per engine index
+(``PerEngineStatLoggerAdapter``); the gauges themselves are created once
+per process, because a Prometheus registry refuses a second metric of the
+same name, and the instances share them through the ``engine`` label.
+They are ``multiprocess_mode="mostrecent"`` like vLLM's own gauges: with
+``--api-server-count`` > 1 vLLM sets ``PROMETHEUS_MULTIPROC_DIR``, every
+API-server process writes its values to files there, and ``/metrics`` in
+any of them aggregates the files, taking for each series the value set
+last (every process reads the same status file, so they agree).
+
+When it refreshes: at ``log_engine_initialized`` (the plan is there
+already: the engine wrote it before answering ready), at every ``log``
+(vLLM's API server calls it every ``VLLM_LOG_STATS_INTERVAL`` seconds, idle
+or not), and at ``record`` (after engine outputs) at most once per
+:data:`REFRESH_INTERVAL_S`. No status directory, or no file (policy
+``off``/``reserve``, or an engine that has not written yet), means nothing
+to publish and no error; a file that is not a status logs one warning.
+
+Loading a stat-logger plugin changes one thing in vLLM: ``AsyncLLM``
+enables stats even under ``--disable-log-stats`` ("enabling logging
+without default stat loggers"), so engine cores send scheduler stats with
+their outputs and ``record`` is called; vLLM's default logging and
+Prometheus loggers stay as that flag says. Under that flag the API server
+does not run its periodic ``log`` task, so an idle engine's figures
+refresh only when outputs arrive.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from vllm.v1.engine import EngineCoreReadyResponse
+from vllm.v1.metrics.loggers import StatLoggerBase
+
+from kv_budget.vllm.compat import checked_vllm
+from kv_budget.vllm.patching import patch_method
+from kv_budget.watch.metrics import METRICS, status_samples
+from kv_budget.watch.status import STATUS_DIR_ENV, read_status, status_path
+
+logger = logging.getLogger("vllm.kv_budget")
+
+__all__ = ["REFRESH_INTERVAL_S", "KvBudgetStatLogger", "lower_frontend_max_num_seqs", "patch_ready_response"]
+
+REFRESH_INTERVAL_S = 1.0
+"""Least seconds between two reads of the status file from ``record``:
+the engine rewrites it at most once per live sample (1 s by default), and
+``record`` runs after every engine output batch."""
+
+
+# --- the cap ---------------------------------------------------------------
+
+def lower_frontend_max_num_seqs(vllm_config: Any, engine_max_num_seqs: int, engine_index: int) -> list[str]:
+    """Lower the frontend's ``max_num_seqs`` (and ``max_num_active_seqs``,
+    where it exists and is larger) to an engine's; never raise it. Returns
+    what changed, as ``"field old -> new"``, empty when nothing did."""
+    scheduler_config = vllm_config.scheduler_config
+    current = scheduler_config.max_num_seqs
+    if engine_max_num_seqs >= current:
+        return []
+    scheduler_config.max_num_seqs = engine_max_num_seqs
+    applied = [f"max_num_seqs {current} -> {engine_max_num_seqs}"]
+    if checked_vllm().features.max_num_active_seqs:
+        active = scheduler_config.max_num_active_seqs
+        if active is not None and active > engine_max_num_seqs:
+            scheduler_config.max_num_active_seqs = engine_max_num_seqs
+            applied.append(f"max_num_active_seqs {active} -> {engine_max_num_seqs}")
+    logger.info("kv-budget: frontend %s (engine %d's ready response)", "; ".join(applied), engine_index)
+    return applied
+
+
+def patch_ready_response(mp_client_cls) -> None:
+    """After ``MPClient._apply_ready_response``, take the engine's
+    ``max_num_seqs`` from the same payload; idempotent. The payload is
+    decoded as vLLM decodes it; an empty one (some versions send none)
+    carries nothing to take."""
+
+    def wrap(original):
+        def _apply_ready_response(self, payload):
+            original(self, payload)
+            if not payload:
+                return
+            response = msgspec.msgpack.decode(payload, type=EngineCoreReadyResponse)
+            lower_frontend_max_num_seqs(self.vllm_config, response.max_num_seqs, response.data_parallel_rank)
+        return _apply_ready_response
+
+    patch_method(mp_client_cls, "_apply_ready_response", wrap)
+
+
+# --- the figures -----------------------------------------------------------
+
+_gauges: dict[str, Any] = {}
+_gauges_lock = threading.Lock()
+_warned: set[str] = set()
+"""What a warning was logged for in this process (a status file, a
+failed refresh): one warning each, not one per second."""
+
+
+def gauges() -> dict[str, Any]:
+    """The process's ``kv_budget:`` gauges, created on first use."""
+    from prometheus_client import Gauge
+
+    with _gauges_lock:
+        if not _gauges:
+            for spec in METRICS:
+                _gauges[spec.name] = Gauge(
+                    spec.name, spec.help, labelnames=spec.labels, multiprocess_mode="mostrecent")
+    return _gauges
+
+
+def served_model_name(vllm_config: Any) -> str:
+    """The ``model_name`` label vLLM's own series carry."""
+    model_config = vllm_config.model_config
+    name = getattr(model_config, "served_model_name", None) or model_config.model
+    return str(name[0] if isinstance(name, (list, tuple)) else name)
+
+
+class KvBudgetStatLogger(StatLoggerBase):
+    """Publishes one engine's kv-budget status as ``kv_budget:`` gauges
+    (the module docstring says when and why this way)."""
+
+    def __init__(self, vllm_config: Any, engine_index: int = 0):
+        self.engine_index = engine_index
+        self.model = str(vllm_config.model_config.model)
+        """As the engine core names its status file (``kv_budget.vllm.live_hook``)."""
+        self.model_name = served_model_name(vllm_config)
+        self._last_refresh: float | None = None
+        self._last_seen: tuple[int, int] | None = None
+        gauges()
+
+    def status_file(self) -> Path | None:
+        directory = os.environ.get(STATUS_DIR_ENV)
+        return status_path(directory, self.model, self.engine_index) if directory else None
+
+    def refresh(self) -> int:
+        """Publish the status file's figures; return how many samples were
+        set (0 when there is nothing to publish or it did not change)."""
+        self._last_refresh = time.monotonic()
+        path = self.status_file()
+        if path is None:
+            return 0
+        try:
+            stat = path.stat()
+        except FileNotFoundError:
+            return 0
+        seen = (stat.st_mtime_ns, stat.st_size)
+        if seen == self._last_seen:
+            return 0
+        try:
+            status = read_status(path)
+        except (ValueError, OSError) as exc:
+            _warn_once(str(path), "kv-budget: metrics not published: %s", exc)
+            return 0
+        if status is None:
+            return 0
+        table = gauges()
+        samples = status_samples(status, self.model_name)
+        for sample in samples:
+            table[sample.name].labels(**sample.labels).set(sample.value)
+        self._last_seen = seen
+        return len(samples)
+
+    def _refresh_guarded(self) -> None:
+        # vLLM calls record() from the loop that hands engine outputs to
+        # requests: a metrics problem must not fail them.
+        try:
+            self.refresh()
+        except Exception as exc:  # noqa: BLE001 - logged once, never raised into vLLM
+            _warn_once(f"refresh:{self.engine_index}", "kv-budget: metrics refresh failed: %r", exc)
+
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+        if self._last_refresh is None or time.monotonic() - self._last_refresh >= REFRESH_INTERVAL_S:
+            self._refresh_guarded()
+
+    def log_engine_initialized(self):
+        self._refresh_guarded()
+
+    def log(self):
+        self._refresh_guarded()
+
+
+def _warn_once(key: str, message: str, *args: Any) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(message, *args)

