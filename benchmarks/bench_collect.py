@@ -28,9 +28,10 @@ from pathlib import Path
 import torch
 from machine import loadavg, machine_info
 
-from kv_budget.collect import collect_model_local_kv_specs
+from kv_budget.collect.model import collect_model_local_kv_specs
 from kv_budget.declare.spec import ModelLocalKVSpec
-from kv_budget.plan.planner import Policy, budget_worker, headroom_override, make_plan
+from kv_budget.plan.planner import budget_worker, headroom_override, make_plan
+from kv_budget.settings import Policy
 from kv_budget.units import GiB
 
 HERE = Path(__file__).resolve().parent

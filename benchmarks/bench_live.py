@@ -33,8 +33,8 @@ from pathlib import Path
 
 from machine import write_results
 
+from kv_budget.settings import DEFAULT_SAMPLE_INTERVAL_S
 from kv_budget.units import MiB
-from kv_budget.watch.live import DEFAULT_SAMPLE_INTERVAL_S
 from kv_budget.watch.status import STATUS_DIR_ENV, read_status, status_path
 from kv_budget_demo.checkpoint import DEFAULT_TALKER, write_demo_checkpoint
 from kv_budget_demo.demo import DemoServer

@@ -37,8 +37,9 @@ from pathlib import Path
 
 from machine import loadavg, machine_info
 
-from kv_budget.collect import collect_model_local_kv_specs
-from kv_budget.plan.planner import Policy, budget_worker, headroom_override, make_plan
+from kv_budget.collect.model import collect_model_local_kv_specs
+from kv_budget.plan.planner import budget_worker, headroom_override, make_plan
+from kv_budget.settings import Policy
 from kv_budget.units import MiB, parse_byte_size
 from kv_budget_demo.checkpoint import DEFAULT_TALKER, TALKER_KEY, talker_bytes_per_row, write_demo_checkpoint
 from kv_budget_demo.demo import DemoServer

@@ -32,8 +32,8 @@ def main() -> int:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM, StaticCache
 
-    from kv_budget.audit import measure_cache_bytes
     from kv_budget.declare.hf_config import spec_from_hf_config
+    from kv_budget.sample.caches import measure_cache_bytes
     from kv_budget.sample.device import NvmlSampler
 
     out = Path(sys.argv[1] if len(sys.argv) > 1 else os.environ.get("OUT", "gpu-check-out"))
@@ -90,7 +90,7 @@ def main() -> int:
     checks.append(("declared == measured (ming talker StaticCache on CUDA)", spec.bytes_per_row == measured == 25_165_824))
     checks.append(("allocator grew by at least the cache", grown >= measured))
     checks.append(("NVML free dropped by at least the cache", free_drop >= measured))
-    from kv_budget.collect import collect_model_local_kv_specs
+    from kv_budget.collect.model import collect_model_local_kv_specs
 
     class DeviceDeclarer(torch.nn.Module):
         seen: list[int] = []

@@ -19,7 +19,7 @@ the planner, samplers and report are imported from their modules
 (``kv_budget.plan.planner``, ``kv_budget.sample.device``, ``kv_budget.report``).
 """
 
-from kv_budget.collect import Collection, DeclarerFailure, OwnedSpec, collect_model_local_kv_specs
+from kv_budget.collect.model import Collection, DeclarerFailure, OwnedSpec, collect_model_local_kv_specs
 from kv_budget.declare.hf_config import spec_from_hf_config
 from kv_budget.declare.spec import (
     HasModelLocalKV,

@@ -2,7 +2,7 @@
 
 ``kv-budget plan`` sizes a deployment before it starts (one engine from a
 preset or spec file, or every stage of a vLLM-Omni deploy file with
-``--deploy``, :mod:`kv_budget.deploy`); ``kv-budget audit``
+``--deploy``, :mod:`kv_budget.plan.deploy`); ``kv-budget audit``
 holds a warmed-up model's declarations to the caches it really holds.
 
 Exit codes (documented in the README, stable for scripts):
@@ -24,14 +24,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from kv_budget.collect import Collection
-from kv_budget.declare.presets import PRESETS, preset_collection
-from kv_budget.declare.specfile import SpecFileError, load_spec_file
-from kv_budget.deploy import DeployError, StageDeclarations, load_deploy, plan_deploy
+from kv_budget.collect.model import Collection
+from kv_budget.collect.presets import PRESETS, preset_collection
+from kv_budget.collect.specfile import SpecFileError, load_spec_file
 from kv_budget.override import OverrideError, apply_overrides, declaration_label, parse_overrides, unmatched_message
+from kv_budget.plan.deploy import StageDeclarations, plan_deploy
+from kv_budget.plan.deploy_file import DeployError, load_deploy
 from kv_budget.plan.planner import (
     Decision,
-    Policy,
     WorkerBudget,
     budget_worker,
     headroom_outside_requested,
@@ -48,6 +48,7 @@ from kv_budget.report import (
     render_reserve_table,
     reserve_infeasible_message,
 )
+from kv_budget.settings import Policy
 from kv_budget.units import byte_size_argument, parse_byte_size
 
 __all__ = ["main", "EXIT_OK", "EXIT_BAD_INPUT", "EXIT_INFEASIBLE", "EXIT_AUDIT_FAILED"]
@@ -335,7 +336,7 @@ def _stage_declarations(texts: list[str]) -> dict[int, StageDeclarations]:
 
 
 def _run_deploy_plan(args: argparse.Namespace) -> int:
-    """``plan --deploy``: the per-device ledger of a vLLM-Omni deploy file."""
+    """``plan --deploy``: the per-device accounts of a vLLM-Omni deploy file."""
     for flag, attr, why in _NOT_WITH_DEPLOY:
         if getattr(args, attr):
             raise _BadInput(f"{flag} does not apply to --deploy: {why}")
@@ -389,7 +390,8 @@ def _with_overrides(collection: Collection, texts: list[str]) -> Collection:
 
 
 def _run_audit(args: argparse.Namespace) -> int:
-    from kv_budget.audit import UnsupportedCacheError, audit_module, load_factory
+    from kv_budget.audit import audit_module, load_factory
+    from kv_budget.sample.caches import UnsupportedCacheError
 
     # Like `python -m`, resolve MODULE from the working directory first, so
     # a project's own warm-up script is importable without installing it.

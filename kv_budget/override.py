@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
-from kv_budget.collect import Collection, OwnedSpec
+from kv_budget.collect.model import Collection, OwnedSpec
+from kv_budget.collect.specfile import parse_dtype
 from kv_budget.declare.spec import InvalidDeclarationError, ModelLocalKVSpec, RowDriver, Scope
-from kv_budget.declare.specfile import parse_dtype
 
 __all__ = [
     "OverrideError",

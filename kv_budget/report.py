@@ -9,7 +9,7 @@ effective value is shown as their minimum.
 from __future__ import annotations
 
 from kv_budget.declare.spec import RowDriver
-from kv_budget.deploy import DeployPlan, DeviceLedger, StageOnDevice, StagePlan
+from kv_budget.plan.deploy import DeployPlan, DeviceAccount, StageOnDevice, StagePlan
 from kv_budget.plan.planner import Charge, Decision, DeclarationLine, FailureLine, Plan, WorkerBudget
 from kv_budget.plan.reserve import ReservePlan
 from kv_budget.units import format_bytes
@@ -240,7 +240,7 @@ def render_deploy_table(plan: DeployPlan) -> str:
     return "\n".join(lines)
 
 
-def _device_lines(device: DeviceLedger, stages: dict[int, StagePlan]) -> list[str]:
+def _device_lines(device: DeviceAccount, stages: dict[int, StagePlan]) -> list[str]:
     capacity = device.capacity_bytes
     graph_stages = [e for e in device.stages if e.graph_reserve_bytes]
     lines = [

@@ -12,18 +12,51 @@ Unknown keys and bad values raise ``ValueError`` naming the key: a misspelt
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
 from kv_budget.override import OverrideError, parse_overrides
-from kv_budget.plan.planner import Policy
-from kv_budget.units import parse_byte_size
-from kv_budget.watch.live import DEFAULT_SAMPLE_INTERVAL_S
+from kv_budget.units import byte_size_argument, parse_byte_size, seconds_argument
 
-__all__ = ["CONFIG_KEY", "DEFAULT_POLICY", "LEDGER_OFF", "ModelLocalKVSettings", "settings_from_additional_config"]
+__all__ = [
+    "CONFIG_KEY", "DEFAULT_POLICY", "DEFAULT_SAMPLE_INTERVAL_S", "KNOWN_KEYS", "LEDGER_OFF", "SETTINGS",
+    "ModelLocalKVSettings", "Policy", "Setting", "settings_from_additional_config",
+]
 
 CONFIG_KEY = "model_local_kv"
+
+
+class Policy(str, Enum):
+    """What the engine does with a plan that does not fit."""
+
+    CAP = "cap"
+    """Lower ``max_num_seqs`` to the safe value; refuse to start if not one
+    sequence fits."""
+
+    WARN = "warn"
+    """Log the same figures and change nothing."""
+
+    OFF = "off"
+    """Change nothing. The engine hook does not even run; the ``plan``
+    command reports as under ``warn``."""
+
+    RESERVE = "reserve"
+    """Keep ``max_num_seqs``; take model-local KV at that concurrency out of
+    the paged pool before vLLM allocates it (:mod:`kv_budget.plan.reserve`).
+    Refuse to start if the pool left cannot hold one ``max_model_len``
+    sequence."""
+
+
+DEFAULT_SAMPLE_INTERVAL_S = 1.0
+"""Seconds between live samples, at least (the sampling is also held to
+:data:`kv_budget.watch.live.MAX_SAMPLING_FRACTION` of the engine's time).
+The first sample is taken at the first step, so a short declaration is
+caught before the first requests have grown; later samples follow growth
+and catch leaks."""
 
 LEDGER_OFF = "off"
 """``ledger_dir`` value that turns the shared device ledger off."""
@@ -34,6 +67,8 @@ without further flags. ``warn`` or ``off`` are one flag away."""
 
 
 class ModelLocalKVSettings(BaseModel):
+    """The settings of one engine; every field is one row of :data:`SETTINGS`."""
+
     model_config = ConfigDict(frozen=True)
 
     policy: Policy = DEFAULT_POLICY
@@ -46,12 +81,6 @@ class ModelLocalKVSettings(BaseModel):
 
     report_path: str | None = None
     """Where to write the startup plan as JSON; None: no file."""
-
-    overrides: tuple[str, ...] = ()
-    """Operator corrections ``OWNER/NAME:FIELD=VALUE`` (:mod:`kv_budget.override`),
-    applied in order before planning. Kept as text: it crosses process
-    boundaries inside ``additional_config``, which must stay JSON."""
-
 
     ledger_dir: str | None = None
     """The device ledger's directory (:mod:`kv_budget.ledger`); None: the
@@ -67,15 +96,129 @@ class ModelLocalKVSettings(BaseModel):
     """Seconds between live samples of model-local KV while serving
     (:mod:`kv_budget.watch.live`); 0 turns live sampling off."""
 
-
-_KNOWN = (
-    "policy", "headroom_bytes", "margin_bytes", "report_path", "overrides", "ledger_dir", "share_bytes",
-    "sample_interval_s",
-)
+    overrides: tuple[str, ...] = ()
+    """Operator corrections ``OWNER/NAME:FIELD=VALUE`` (:mod:`kv_budget.override`),
+    applied in order before planning. Kept as text: it crosses process
+    boundaries inside ``additional_config``, which must stay JSON."""
 
 
 def _where(key: str) -> str:
     return f"additional_config[{CONFIG_KEY!r}][{key!r}]"
+
+
+def _read_policy(key: str, value: Any) -> Policy:
+    try:
+        return Policy(value)
+    except ValueError:
+        raise ValueError(f"{_where(key)} = {value!r} is invalid: choose from {[p.value for p in Policy]}") from None
+
+
+def _read_bytes(key: str, value: Any) -> int:
+    try:
+        return parse_byte_size(value)
+    except ValueError as exc:
+        raise ValueError(f"{_where(key)}: {exc}") from None
+
+
+def _text_reader(expected: str) -> Callable[[str, Any], str]:
+    def read(key: str, value: Any) -> str:
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{_where(key)} = {value!r} is invalid: expected {expected}")
+        return value
+    return read
+
+
+def _read_seconds(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        raise ValueError(f"{_where(key)} = {value!r} is invalid: expected seconds >= 0 (0: no live sampling)")
+    return float(value)
+
+
+def _read_overrides(key: str, value: Any) -> tuple[str, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{_where(key)} = {value!r} is invalid: expected a list of OWNER/NAME:FIELD=VALUE strings")
+    try:
+        parse_overrides(value)
+    except OverrideError as exc:
+        raise ValueError(f"{_where(key)}: {exc}") from None
+    return tuple(value)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting, the way an operator gives it: a key of
+    ``additional_config["model_local_kv"]`` and the flag that writes it."""
+
+    key: str
+    """The field of :class:`ModelLocalKVSettings` and the ``additional_config`` key."""
+    flag: str
+    metavar: str | None
+    """What the flag takes, as ``--help`` and the README show it; None: its choices."""
+    help: str
+    """The flag's ``--help`` text (argparse formatting: ``%%`` is a percent sign)."""
+    read: Callable[[str, Any], Any]
+    """Validate a value found in ``additional_config``; raises ValueError naming the key."""
+    flag_type: Callable[[str], Any] | None = None
+    """How the flag's text becomes the value (argparse ``type=``); None: the text."""
+    choices: tuple[str, ...] = ()
+    repeatable: bool = False
+    """Given several times, the flag adds to a list instead of replacing it."""
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting(
+        "policy", "--model-local-kv-policy", None,
+        "cap: lower max_num_seqs to what fits, refuse to start if not one sequence fits; "
+        "reserve: keep max_num_seqs, take model-local KV out of the paged KV pool before it is allocated; "
+        f"warn: log the plan, change nothing; off: do nothing. Default: {DEFAULT_POLICY.value}.",
+        _read_policy, choices=tuple(p.value for p in Policy),
+    ),
+    Setting(
+        "headroom_bytes", "--model-local-kv-headroom", "SIZE",
+        "Headroom per worker for model-local KV (e.g. 14GiB, 512MiB, bytes), used as given. "
+        "Default: measured after startup (NVML free memory; system/cgroup memory on CPU) minus the margin.",
+        _read_bytes, flag_type=byte_size_argument,
+    ),
+    Setting(
+        "margin_bytes", "--model-local-kv-margin", "SIZE",
+        "Safety margin taken off a measured headroom. Default: 5%% of the device, at least 1GiB.",
+        _read_bytes, flag_type=byte_size_argument,
+    ),
+    Setting("report_path", "--model-local-kv-report", "PATH", "Write the startup plan as JSON to PATH.",
+            _text_reader("a file path")),
+    Setting(
+        "ledger_dir", "--model-local-kv-ledger-dir", "DIR",
+        "Directory of the device ledger engines sharing a device plan against (each records the "
+        f"model-local bytes it reserved; later ones plan against what is left). '{LEDGER_OFF}' plans alone. "
+        "Default: $KV_BUDGET_LEDGER_DIR, else $XDG_RUNTIME_DIR/kv-budget, else /tmp/kv-budget-UID.",
+        _text_reader(f"a directory or '{LEDGER_OFF}'"),
+    ),
+    Setting(
+        "share_bytes", "--model-local-kv-share", "SIZE",
+        "This engine's share of the device headroom (e.g. 4GiB), leaving the rest to engines that "
+        "start later on the same device. Default: whatever the engines already running left.",
+        _read_bytes, flag_type=byte_size_argument,
+    ),
+    Setting(
+        "sample_interval_s", "--model-local-kv-sample-interval", "SECONDS",
+        "Seconds between live samples of the bytes model-local caches hold while serving (an "
+        "under-declaration lowers the live limit under cap; leaks and absent caches are logged; figures on "
+        f"/metrics). 0 turns live sampling off. Default: {DEFAULT_SAMPLE_INTERVAL_S:g}.",
+        _read_seconds, flag_type=seconds_argument,
+    ),
+    Setting(
+        "overrides", "--model-local-kv-override", "OWNER/NAME:FIELD=VALUE",
+        "Correct one field of one declaration before planning, e.g. "
+        "decoder/codec_decoder_request:physical_capacity_positions=72. Repeatable; applied in order "
+        "after any overrides in --additional-config. An override that matches no declaration is an error.",
+        _read_overrides, repeatable=True,
+    ),
+)
+"""Every setting, in the order ``--help`` and the README's table list them:
+the flags (:mod:`kv_budget.vllm.flags`), the accepted keys and their
+validation come from this table, and a test holds the README's to it."""
+
+KNOWN_KEYS = tuple(setting.key for setting in SETTINGS)
 
 
 def settings_from_additional_config(additional_config: Any) -> ModelLocalKVSettings:
@@ -89,47 +232,11 @@ def settings_from_additional_config(additional_config: Any) -> ModelLocalKVSetti
         return ModelLocalKVSettings()
     if not isinstance(raw, dict):
         raise ValueError(f"additional_config[{CONFIG_KEY!r}] must be a dict, got {raw!r}")
-    unknown = sorted(set(raw) - set(_KNOWN))
+    unknown = sorted(set(raw) - set(KNOWN_KEYS))
     if unknown:
-        raise ValueError(f"additional_config[{CONFIG_KEY!r}] has unknown key(s) {unknown}; known: {list(_KNOWN)}")
-    values: dict[str, Any] = {}
-    if raw.get("policy") is not None:
-        try:
-            values["policy"] = Policy(raw["policy"])
-        except ValueError:
-            raise ValueError(
-                f"{_where('policy')} = {raw['policy']!r} is invalid: choose from {[p.value for p in Policy]}"
-            ) from None
-    for key in ("headroom_bytes", "margin_bytes", "share_bytes"):
-        if raw.get(key) is not None:
-            try:
-                values[key] = parse_byte_size(raw[key])
-            except ValueError as exc:
-                raise ValueError(f"{_where(key)}: {exc}") from None
-    if raw.get("report_path") is not None:
-        if not isinstance(raw["report_path"], str) or not raw["report_path"]:
-            raise ValueError(f"{_where('report_path')} = {raw['report_path']!r} is invalid: expected a file path")
-        values["report_path"] = raw["report_path"]
-    if raw.get("ledger_dir") is not None:
-        if not isinstance(raw["ledger_dir"], str) or not raw["ledger_dir"]:
-            raise ValueError(f"{_where('ledger_dir')} = {raw['ledger_dir']!r} is invalid: expected a directory or 'off'")
-        values["ledger_dir"] = raw["ledger_dir"]
-    if raw.get("sample_interval_s") is not None:
-        interval = raw["sample_interval_s"]
-        if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0 <= interval < float("inf"):
-            raise ValueError(
-                f"{_where('sample_interval_s')} = {interval!r} is invalid: expected seconds >= 0 (0: no live sampling)"
-            )
-        values["sample_interval_s"] = float(interval)
-    if raw.get("overrides") is not None:
-        texts = raw["overrides"]
-        if not isinstance(texts, (list, tuple)):
-            raise ValueError(
-                f"{_where('overrides')} = {texts!r} is invalid: expected a list of OWNER/NAME:FIELD=VALUE strings"
-            )
-        try:
-            parse_overrides(texts)
-        except OverrideError as exc:
-            raise ValueError(f"{_where('overrides')}: {exc}") from None
-        values["overrides"] = tuple(texts)
+        raise ValueError(f"additional_config[{CONFIG_KEY!r}] has unknown key(s) {unknown}; known: {list(KNOWN_KEYS)}")
+    values = {
+        setting.key: setting.read(setting.key, raw[setting.key])
+        for setting in SETTINGS if raw.get(setting.key) is not None
+    }
     return ModelLocalKVSettings(**values)

@@ -87,6 +87,17 @@ def byte_size_argument(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
+def seconds_argument(text: str) -> float:
+    """A number of seconds >= 0 as an argparse ``type=`` (0: the thing timed is off)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected seconds >= 0 (0: no live sampling)")
+    return value
+
+
 def format_bytes(value: int) -> str:
     """``1191182336`` -> ``"1,191,182,336 B (1136.00 MiB)"``: exact and readable."""
     return f"{value:,} B ({value / MiB:.2f} MiB)"

@@ -31,21 +31,21 @@ def install_fault(kind: str, rank: int = 0) -> None:
     RPC. ``sampling_fails``: that worker cannot sample its device memory.
     ``live_sample_raises``: every live sample fails in the workers."""
     if kind in ("planning_raises", "sampling_fails"):
+        from kv_budget import startup
         from kv_budget.sample.device import MemorySamplingError
-        from kv_budget.vllm import startup_hook
 
-        original = startup_hook._worker_headroom
+        original = startup._worker_headroom
 
-        def headroom(worker, config, sharers):
-            if worker.rank != rank:
-                return original(worker, config, sharers)
+        def headroom(worker_rank, device, config, sharers):
+            if worker_rank != rank:
+                return original(worker_rank, device, config, sharers)
             if kind == "planning_raises":
                 raise RuntimeError(f"injected fault on rank {rank}")
             raise MemorySamplingError(f"injected: no memory figure on rank {rank}")
 
-        startup_hook._worker_headroom = headroom
+        startup._worker_headroom = headroom
     elif kind == "live_sample_raises":
-        from kv_budget.audit import HeldBytes
+        from kv_budget.sample.caches import HeldBytes
 
         def measure(self):
             raise RuntimeError("injected live sample fault")

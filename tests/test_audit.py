@@ -26,16 +26,10 @@ from transformers.cache_utils import (
     QuantizedLayer,
 )
 
-from kv_budget.audit import (
-    AuditReport,
-    UnsupportedCacheError,
-    audit_module,
-    cache_breakdown,
-    load_factory,
-    measure_cache_bytes,
-)
+from kv_budget.audit import AuditReport, audit_module, load_factory
 from kv_budget.declare.hf_config import spec_from_hf_config
 from kv_budget.declare.spec import ModelLocalKVSpec, RowDriver, Scope
+from kv_budget.sample.caches import UnsupportedCacheError, cache_breakdown, measure_cache_bytes
 from kv_budget.units import format_bytes
 
 F32 = 4

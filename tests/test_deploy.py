@@ -18,9 +18,10 @@ from types import SimpleNamespace
 import pytest
 
 from kv_budget.cli import EXIT_BAD_INPUT, EXIT_INFEASIBLE, EXIT_OK, main
-from kv_budget.declare.presets import preset_collection
-from kv_budget.declare.specfile import load_spec_file
-from kv_budget.deploy import DeployError, StageDeclarations, load_deploy, plan_deploy
+from kv_budget.collect.presets import preset_collection
+from kv_budget.collect.specfile import load_spec_file
+from kv_budget.plan.deploy import StageDeclarations, plan_deploy
+from kv_budget.plan.deploy_file import DeployError, load_deploy
 from kv_budget.plan.planner import Decision
 from kv_budget.units import GiB, MiB
 from peers.vllm_omni.files import OmniFilesUnavailable, import_omni_module, omni_root

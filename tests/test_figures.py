@@ -13,7 +13,7 @@ import torch
 from transformers import Qwen2Config
 
 from kv_budget import RowDriver, Scope, spec_from_hf_config
-from kv_budget.declare.presets import PRESETS, preset_collection
+from kv_budget.collect.presets import PRESETS, preset_collection
 from kv_budget.override import apply_overrides, parse_override
 from kv_budget.plan.planner import budget_worker, headroom_override
 

@@ -6,6 +6,7 @@ logger publishing a real status file into prometheus_client's registry.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import TYPE_CHECKING
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 import kv_budget.vllm
+import kv_budget_demo
 from kv_budget import Collection, ModelLocalKVSpec, OwnedSpec
 from kv_budget.plan.planner import budget_worker, headroom_override, make_plan
 from kv_budget.vllm.compat import checked_vllm
@@ -29,6 +31,7 @@ pytestmark = pytest.mark.vllm
 def registered():
     pytest.importorskip("vllm")
     kv_budget.vllm.register()
+    kv_budget_demo.register()  # the configs below name the demo architecture
 
 
 @pytest.fixture(scope="module")
@@ -80,10 +83,28 @@ def test_the_frontend_keeps_the_smallest_engine_value_and_never_raises_it(fronte
     assert "engine 1's" not in caplog.text and "engine 3's ready response" in caplog.text
 
 
-def test_vllm_loads_the_stat_logger_plugin(frontend):
+def test_the_stat_logger_joins_an_async_llm_only_where_it_logs_stats(frontend):
+    """A ``vllm.stat_logger_plugins`` entry point would turn stats on under
+    ``--disable-log-stats``; the logger comes through ``stat_loggers``."""
+    from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.metrics.loggers import load_stat_logger_plugin_factories
 
-    assert frontend.KvBudgetStatLogger in load_stat_logger_plugin_factories()
+    assert frontend.KvBudgetStatLogger not in load_stat_logger_plugin_factories()
+    assert getattr(AsyncLLM.__init__, PATCH_MARK, False)
+    vllms_init = inspect.signature(inspect.unwrap(AsyncLLM.__init__))
+    calls = []
+
+    def recorder(*args, **kwargs):
+        calls.append(vllms_init.bind(*args, **kwargs).arguments)
+
+    recorder.__signature__ = vllms_init
+    init = frontend.stat_logger_where_stats_are_on(recorder)
+    init("self", "config", "executor", True)
+    init("self", "config", "executor", log_stats=False, stat_loggers=["theirs"])
+    init("self", "config", "executor", False)
+    init("self", "config", "executor", True, stat_loggers=["theirs"])
+    assert [call.get("stat_loggers") for call in calls] == [
+        [frontend.KvBudgetStatLogger], ["theirs"], None, ["theirs", frontend.KvBudgetStatLogger]]
 
 
 # --- the stat logger on a real status file ---

@@ -1,5 +1,5 @@
 """Live protection, without an engine: real transformers caches filled by
-real generation, measured by :class:`kv_budget.audit.HeldBytes`, judged by
+real generation, measured by :class:`kv_budget.sample.caches.HeldBytes`, judged by
 :class:`kv_budget.watch.live.LiveMonitor` against a plan made from the owners'
 own declarations."""
 
@@ -10,11 +10,12 @@ import torch
 from audit_models import generate_into, small_qwen2_config, tiny_lm
 from transformers import DynamicCache
 
-from kv_budget.audit import HeldBytes, audit_module
-from kv_budget.collect import collect_model_local_kv_specs
+from kv_budget.audit import audit_module
+from kv_budget.collect.model import collect_model_local_kv_specs
 from kv_budget.declare.hf_config import spec_from_hf_config
 from kv_budget.declare.spec import RowDriver, Scope
 from kv_budget.plan.planner import budget_worker, headroom_override, make_plan
+from kv_budget.sample.caches import HeldBytes
 from kv_budget.watch.live import (
     DEAD_AFTER_COMPLETED,
     MAX_SAMPLING_FRACTION,

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kv_budget.audit import audit_module
-from kv_budget.collect import collect_model_local_kv_specs
+from kv_budget.collect.model import collect_model_local_kv_specs
 from kv_budget.declare.spec import RowDriver, Scope
 from peers.vllm_omni.files import OmniFilesUnavailable, omni_root
 

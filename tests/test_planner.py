@@ -9,10 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kv_budget import Collection, ModelLocalKVSpec, OwnedSpec
-from kv_budget.collect import DeclarerFailure
+from kv_budget.collect.model import DeclarerFailure
 from kv_budget.plan.planner import (
     Decision,
-    Policy,
     budget_worker,
     default_margin_bytes,
     headroom_from_free,
@@ -21,6 +20,7 @@ from kv_budget.plan.planner import (
     make_plan,
 )
 from kv_budget.report import infeasible_message, render_plan_table, summary_line
+from kv_budget.settings import Policy
 from kv_budget.units import GiB, MiB
 
 

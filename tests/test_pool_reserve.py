@@ -111,18 +111,16 @@ def test_the_reservation_is_recorded_in_the_device_ledger_for_engines_that_sampl
     """Two workers on one host device (the CPU build): their reservations are
     summed under this engine's entry, which the ledger reads back."""
     import json
-    from types import SimpleNamespace
 
     from kv_budget.ledger import open_ledger
     from kv_budget.settings import ModelLocalKVSettings
-    from kv_budget.vllm.pool_hook import _record_in_ledger
+    from kv_budget.startup import record_in_ledger
 
     workers = [worker(spec("kv", 100), rank=0), worker(spec("kv", 100), spec("postnet", 60), rank=1)]
     plan = plan_reserve([reserve_out_of_pool(w, 256, GiB, BLOCK, SEQUENCE) for w in workers], 256, 256)
     settings = ModelLocalKVSettings(policy="reserve", ledger_dir=str(tmp_path))
-    results = [{"rank": 0, "device": "host:test"}, {"rank": 1, "device": "host:test"}]
-    config = SimpleNamespace(model_config=SimpleNamespace(model="demo"))
-    _record_in_ledger(settings, results, plan, config)
+    record_in_ledger(settings, ["host:test", "host:test"], [r.reserved_bytes for r in plan.reservations],
+                     "pid 1: model demo")
     (entry,) = json.loads((tmp_path / "host_test.json").read_text())
     assert entry["reserved_bytes"] == 256 * 100 * ROW + 256 * 160 * ROW
     assert entry["engine"].endswith("model demo")

@@ -321,7 +321,7 @@ def test_fast_owner_walk_keeps_named_modules_paths_order_and_dedup():
     named_modules() plus getattr would, at the same paths, in the same order."""
     from transformers import Qwen2ForCausalLM
 
-    from kv_budget.collect import _declaring_modules
+    from kv_budget.collect.model import _declaring_modules
 
     shared = Owner([make(name="shared")])
     tree = torch.nn.ModuleDict({

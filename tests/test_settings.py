@@ -1,12 +1,24 @@
-"""additional_config["model_local_kv"]: defaults, values, and errors naming the key."""
+"""additional_config["model_local_kv"]: defaults, values, errors naming the key, and the one
+table the settings, the flags and the README's flag table come from."""
 
 from __future__ import annotations
 
+import argparse
+import re
+from pathlib import Path
+
 import pytest
 
-from kv_budget.plan.planner import Policy
-from kv_budget.settings import DEFAULT_POLICY, settings_from_additional_config
+from kv_budget.settings import (
+    DEFAULT_POLICY,
+    KNOWN_KEYS,
+    SETTINGS,
+    ModelLocalKVSettings,
+    Policy,
+    settings_from_additional_config,
+)
 from kv_budget.units import GiB, MiB
+from kv_budget.vllm.flags import add_flags
 
 
 def test_absent_settings_are_the_defaults_and_cap_is_the_default():
@@ -70,8 +82,36 @@ def test_ledger_directory_and_share():
 
 
 def test_sample_interval_defaults_to_the_measured_default_and_zero_turns_sampling_off():
-    from kv_budget.watch.live import DEFAULT_SAMPLE_INTERVAL_S
+    from kv_budget.settings import DEFAULT_SAMPLE_INTERVAL_S
 
     assert settings_from_additional_config({}).sample_interval_s == DEFAULT_SAMPLE_INTERVAL_S
     assert settings_from_additional_config({"model_local_kv": {"sample_interval_s": 0}}).sample_interval_s == 0.0
     assert settings_from_additional_config({"model_local_kv": {"sample_interval_s": 0.25}}).sample_interval_s == 0.25
+
+
+# --- one table: the settings, the flags, the README ---------------------------
+
+def test_the_settings_model_has_one_field_per_row_of_the_table():
+    assert tuple(ModelLocalKVSettings.model_fields) == KNOWN_KEYS == tuple(setting.key for setting in SETTINGS)
+    assert len(set(KNOWN_KEYS)) == len(KNOWN_KEYS)
+
+
+def test_the_flag_group_is_the_table():
+    parser = add_flags(argparse.ArgumentParser())
+    group = next(group for group in parser._action_groups if group.title == "ModelLocalKV")
+    assert [action.option_strings[0] for action in group._group_actions] == [setting.flag for setting in SETTINGS]
+    args = parser.parse_args(["--model-local-kv-headroom", "1GiB", "--model-local-kv-sample-interval", "0.5",
+                              "--model-local-kv-override", "a/b:rows_fixed=2", "--model-local-kv-override",
+                              "a/c:rows_fixed=3"])
+    assert (args.model_local_kv_headroom, args.model_local_kv_sample_interval) == (GiB, 0.5)
+    assert args.model_local_kv_override == ["a/b:rows_fixed=2", "a/c:rows_fixed=3"]
+    assert not hasattr(args, "model_local_kv_policy")  # absent unless given
+
+
+def test_the_readmes_flag_table_lists_every_setting_with_its_key_in_order():
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    rows = re.findall(r"^\| `(--model-local-kv-[a-z-]+)(?: ([^`]+))?` \| `(\w+)` \|", readme, re.M)
+    expected = [
+        (setting.flag, setting.metavar or "{" + ",".join(setting.choices) + "}", setting.key) for setting in SETTINGS
+    ]
+    assert rows == expected

@@ -14,6 +14,7 @@ import pytest
 from kv_budget.vllm import compat
 from kv_budget.vllm.compat import (
     ARG_UTILS,
+    ASYNC_LLM,
     CORE_CLIENT,
     ENGINE_CORE,
     ENGINE_MESSAGES,
@@ -32,7 +33,7 @@ from kv_budget.vllm.compat import (
 )
 from peers.wheels import WheelUnavailable, unpacked_wheel
 
-HOOK_MODULES = (ARG_UTILS, ENGINE_CORE, SCHEDULER_CONFIG, SCHEDULER, EXECUTOR, KV_CACHE_INTERFACE, CORE_CLIENT,
+HOOK_MODULES = (ARG_UTILS, ASYNC_LLM, ENGINE_CORE, SCHEDULER_CONFIG, SCHEDULER, EXECUTOR, KV_CACHE_INTERFACE, CORE_CLIENT,
                 ENGINE_MESSAGES, METRICS_LOGGERS)
 PATCHED_METHODS = (
     (ARG_UTILS, "EngineArgs", "add_cli_args"),
@@ -46,6 +47,7 @@ PATCHED_METHODS = (
     (ENGINE_CORE, "EngineCore", "step"),
     (ENGINE_CORE, "EngineCore", "step_with_batch_queue"),
     (CORE_CLIENT, "MPClient", "_apply_ready_response"),
+    (ASYNC_LLM, "AsyncLLM", "__init__"),
 )
 
 

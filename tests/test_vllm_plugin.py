@@ -7,6 +7,9 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -57,6 +60,28 @@ def test_entry_point_is_declared_for_vllm():
     (entry,) = [e for e in importlib.metadata.entry_points(group="vllm.general_plugins") if e.name == "kv_budget"]
     assert entry.value == "kv_budget.vllm:register"
     assert entry.load() is kv_budget.vllm.register
+
+
+def test_production_registers_no_demo_architecture_and_leaves_the_worker_alone():
+    """The demo is a plugin of its own (demo/): kv-budget's ``register``
+    alone, in a fresh process, adds no architecture and wraps no worker."""
+    probe = (
+        "import kv_budget.vllm\n"
+        "from vllm import ModelRegistry\n"
+        "from vllm.v1.worker.gpu_worker import Worker\n"
+        "kv_budget.vllm.register()\n"
+        "print('KvBudgetDemoForCausalLM' in ModelRegistry.get_supported_archs(),\n"
+        "      getattr(Worker.execute_model, '_kv_budget_patch', False))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "VLLM_PLUGINS": ""})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-2:] == ["False", "False"]
+
+
+def test_the_demo_is_a_plugin_of_its_own():
+    (entry,) = [e for e in importlib.metadata.entry_points(group="vllm.general_plugins") if e.name == "kv_budget_demo"]
+    assert (entry.value, entry.dist.name) == ("kv_budget_demo:register", "kv-budget-demo")
 
 
 def test_register_is_idempotent():
@@ -249,15 +274,16 @@ def test_argparse_namespace_without_flags_is_not_touched():
 
 
 def test_an_unwritable_report_path_warns_and_does_not_stop_the_engine(tmp_path, caplog):
-    from kv_budget.vllm.startup_hook import write_report
+    from kv_budget.startup import write_report
+    from kv_budget.vllm.startup_hook import vllm_figures
 
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     with caplog.at_level("WARNING", logger="vllm.kv_budget"):
-        assert write_report(str(blocker / "plan.json"), {"decision": "capped"}) is False
+        assert write_report(str(blocker / "plan.json"), {"decision": "capped"}, vllm_figures()) is False
     assert f"cannot write the startup plan to {blocker / 'plan.json'}" in caplog.text
     assert "the plan is in this log" in caplog.text
     written = tmp_path / "deep" / "plan.json"
-    assert write_report(str(written), {"decision": "capped"}) is True
+    assert write_report(str(written), {"decision": "capped"}, vllm_figures()) is True
     report = json.loads(written.read_text())
     assert report["decision"] == "capped" and report["vllm_version"] == compat.vllm_version()

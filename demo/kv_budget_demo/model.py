@@ -43,9 +43,9 @@ from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_pa
 from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 
-from kv_budget.audit import measure_cache_bytes
 from kv_budget.declare.hf_config import spec_from_hf_config
 from kv_budget.declare.spec import ModelLocalKVSpec, RowDriver, Scope
+from kv_budget.sample.caches import measure_cache_bytes
 from kv_budget_demo.checkpoint import DEFAULT_TALKER, TALKER_KEY
 from kv_budget_demo.demo import STATS_DIR_ENV
 

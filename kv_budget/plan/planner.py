@@ -25,12 +25,12 @@ from fractions import Fraction
 
 from pydantic import BaseModel, ConfigDict
 
-from kv_budget.collect import Collection, DeclarerFailure, OwnedSpec
+from kv_budget.collect.model import Collection, DeclarerFailure, OwnedSpec
 from kv_budget.declare.spec import RowDriver, Scope
+from kv_budget.settings import Policy
 from kv_budget.units import GiB
 
 __all__ = [
-    "Policy",
     "Decision",
     "Charge",
     "Headroom",
@@ -52,27 +52,6 @@ __all__ = [
     "shared_budget",
     "make_plan",
 ]
-
-
-class Policy(str, Enum):
-    """What the engine does with a plan that does not fit."""
-
-    CAP = "cap"
-    """Lower ``max_num_seqs`` to the safe value; refuse to start if not one
-    sequence fits."""
-
-    WARN = "warn"
-    """Log the same figures and change nothing."""
-
-    OFF = "off"
-    """Change nothing. The engine hook does not even run; the ``plan``
-    command reports as under ``warn``."""
-
-    RESERVE = "reserve"
-    """Keep ``max_num_seqs``; take model-local KV at that concurrency out of
-    the paged pool before vLLM allocates it (:mod:`kv_budget.plan.reserve`).
-    Refuse to start if the pool left cannot hold one ``max_model_len``
-    sequence."""
 
 
 class Decision(str, Enum):
@@ -279,7 +258,7 @@ class WorkerBudget(BaseModel):
     alone) fits."""
 
 
-def _safe_max_num_seqs(headroom: int, fixed: int, per_seq: int) -> int | None:
+def safe_max_num_seqs(headroom: int, fixed: int, per_seq: int) -> int | None:
     if headroom < fixed:
         return 0
     if per_seq == 0:
@@ -306,7 +285,7 @@ def budget_worker(collection: Collection, headroom: Headroom, rank: int = 0, max
         uncharged_fixed_bytes=fixed,
         per_seq_bytes=per_seq,
         headroom=headroom,
-        safe_max_num_seqs=_safe_max_num_seqs(headroom.bytes, fixed, per_seq),
+        safe_max_num_seqs=safe_max_num_seqs(headroom.bytes, fixed, per_seq),
     )
 
 
@@ -329,7 +308,7 @@ def shared_budget(worker: WorkerBudget, others_bytes: int, others: str, share_by
     headroom = room.model_copy(update={"bytes": left, "source": source, "reserved_by_others_bytes": others_bytes})
     return worker.model_copy(update={
         "headroom": headroom,
-        "safe_max_num_seqs": _safe_max_num_seqs(left, worker.uncharged_fixed_bytes, worker.per_seq_bytes),
+        "safe_max_num_seqs": safe_max_num_seqs(left, worker.uncharged_fixed_bytes, worker.per_seq_bytes),
     })
 
 
@@ -416,7 +395,7 @@ def _worker_constraint(worker: WorkerBudget) -> Constraint | None:
     )
 
 
-def _at_max_num_seqs(line: DeclarationLine, max_num_seqs: int) -> DeclarationLine:
+def at_max_num_seqs(line: DeclarationLine, max_num_seqs: int) -> DeclarationLine:
     """The line's rows at the effective max_num_seqs. Charged lines keep the
     rows they were allocated with: they are resident already."""
     if line.rows is RowDriver.FIXED or line.charge is Charge.CHARGED:
@@ -459,7 +438,7 @@ def make_plan(workers: list[WorkerBudget], configured_max_num_seqs: int, policy:
     else:
         decision, effective = Decision.WARNED, configured_max_num_seqs
     fixed, per_seq = binding.uncharged_fixed_bytes, binding.per_seq_bytes
-    declarations = [_at_max_num_seqs(line, effective) for line in binding.declarations]
+    declarations = [at_max_num_seqs(line, effective) for line in binding.declarations]
     return Plan(
         policy=policy,
         decision=decision,

@@ -26,6 +26,8 @@ What it does, in order:
    (under ``cap`` and ``warn``), the live correction under ``cap``.
 8. ``frontend.patch_ready_response``: the API-server process takes the
    engine's capped ``max_num_seqs`` from its startup ready response.
+9. ``frontend.patch_async_llm``: the ``kv_budget:`` figures on ``/metrics``,
+   where vLLM logs stats (not under ``--disable-log-stats``).
 
 Every patch goes through :func:`kv_budget.vllm.patching.patch_method`.
 Nothing here registers a model: the demo architecture is the demo's own
@@ -68,13 +70,14 @@ def register() -> None:
         return
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.engine.core import EngineCore
     from vllm.v1.engine.core_client import MPClient
     from vllm.v1.executor.abstract import Executor
 
     from kv_budget.vllm.compat import check_vllm
     from kv_budget.vllm.flags import patch_engine_args
-    from kv_budget.vllm.frontend import patch_ready_response
+    from kv_budget.vllm.frontend import patch_async_llm, patch_ready_response
     from kv_budget.vllm.live_hook import patch_engine_steps
     from kv_budget.vllm.pool_hook import patch_executor
     from kv_budget.vllm.startup_hook import patch_engine_config_validation, patch_engine_core, patch_scheduler
@@ -87,5 +90,6 @@ def register() -> None:
     patch_executor(Executor)
     patch_engine_steps(EngineCore)
     patch_ready_response(MPClient)
+    patch_async_llm(AsyncLLM)
     ensure_status_dir()
     _registered = True

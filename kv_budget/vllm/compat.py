@@ -224,6 +224,7 @@ SCHEDULER = "vllm.v1.core.sched.scheduler"
 EXECUTOR = "vllm.v1.executor.abstract"
 KV_CACHE_INTERFACE = "vllm.v1.kv_cache_interface"
 CORE_CLIENT = "vllm.v1.engine.core_client"
+ASYNC_LLM = "vllm.v1.engine.async_llm"
 ENGINE_MESSAGES = "vllm.v1.engine"
 METRICS_LOGGERS = "vllm.v1.metrics.loggers"
 
@@ -452,6 +453,10 @@ HOOK_POINTS = (
               _exact_signature(CORE_CLIENT, "MPClient", "_apply_ready_response", ("self", "payload"))),
     HookPoint("EngineCoreReadyResponse.max_num_seqs", "the frontend learning the cap",
               _field(ENGINE_MESSAGES, "EngineCoreReadyResponse", "max_num_seqs")),
+    HookPoint("AsyncLLM.__init__(self, vllm_config, executor_class, log_stats, ..., stat_loggers=...)",
+              "the figures on /metrics", _method(ASYNC_LLM, "AsyncLLM", "__init__", "function",
+                                                 ("self", "vllm_config", "executor_class", "log_stats"),
+                                                 ("stat_loggers",))),
     HookPoint("StatLoggerBase.__init__(self, vllm_config, engine_index)", "the figures on /metrics",
               _method(METRICS_LOGGERS, "StatLoggerBase", "__init__", "function",
                       ("self", "vllm_config", "engine_index"))),

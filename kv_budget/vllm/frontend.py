@@ -26,8 +26,8 @@ changes. The hook point is checked by ``compat.check_vllm``
 
 **The figures** (:class:`KvBudgetStatLogger`). The plan and the live
 monitor's figures are in the engine core; the status file
-(:mod:`kv_budget.watch.status`) brings them here, and this stat logger, a vLLM
-``vllm.stat_logger_plugins`` entry point, publishes them as ``kv_budget:``
+(:mod:`kv_budget.watch.status`) brings them here, and this stat logger
+publishes them as ``kv_budget:``
 gauges on vLLM's own ``/metrics`` (names, help texts and labels:
 :mod:`kv_budget.watch.metrics`). vLLM builds one instance per engine index
 (``PerEngineStatLoggerAdapter``); the gauges themselves are created once
@@ -47,17 +47,20 @@ or not), and at ``record`` (after engine outputs) at most once per
 ``off``/``reserve``, or an engine that has not written yet), means nothing
 to publish and no error; a file that is not a status logs one warning.
 
-Loading a stat-logger plugin changes one thing in vLLM: ``AsyncLLM``
-enables stats even under ``--disable-log-stats`` ("enabling logging
-without default stat loggers"), so engine cores send scheduler stats with
-their outputs and ``record`` is called; vLLM's default logging and
-Prometheus loggers stay as that flag says. Under that flag the API server
-does not run its periodic ``log`` task, so an idle engine's figures
-refresh only when outputs arrive.
+**Only where stats are on** (:func:`patch_async_llm`). vLLM turns stats
+on for every ``AsyncLLM`` that has a custom stat logger, even under
+``--disable-log-stats`` ("enabling logging without default stat
+loggers"), and loads the ``vllm.stat_logger_plugins`` entry points into
+every one. So this logger is no such entry point: ``AsyncLLM.__init__``
+gets it in its ``stat_loggers`` argument when ``log_stats`` is true, and
+not otherwise. Under ``--disable-log-stats`` the ``kv_budget:`` series are
+absent from ``/metrics`` (one info line says so); the plan and the live
+findings stay in the log, the report file and the status file.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import threading
@@ -76,7 +79,10 @@ from kv_budget.watch.status import STATUS_DIR_ENV, read_status, status_path
 
 logger = logging.getLogger("vllm.kv_budget")
 
-__all__ = ["REFRESH_INTERVAL_S", "KvBudgetStatLogger", "lower_frontend_max_num_seqs", "patch_ready_response"]
+__all__ = [
+    "REFRESH_INTERVAL_S", "KvBudgetStatLogger", "lower_frontend_max_num_seqs", "patch_async_llm", "patch_ready_response",
+    "stat_logger_where_stats_are_on",
+]
 
 REFRESH_INTERVAL_S = 1.0
 """Least seconds between two reads of the status file from ``record``:
@@ -213,6 +219,27 @@ class KvBudgetStatLogger(StatLoggerBase):
 
     def log(self):
         self._refresh_guarded()
+
+
+def stat_logger_where_stats_are_on(original):
+    """Wrap ``AsyncLLM.__init__``: add :class:`KvBudgetStatLogger` to its
+    ``stat_loggers`` when ``log_stats`` is true, change nothing otherwise."""
+    signature = inspect.signature(original)
+
+    def __init__(self, *args, **kwargs):
+        call = signature.bind(self, *args, **kwargs)
+        if call.arguments["log_stats"]:
+            call.arguments["stat_loggers"] = [*(call.arguments.get("stat_loggers") or ()), KvBudgetStatLogger]
+        else:
+            logger.info("kv-budget: stats are off (--disable-log-stats): the kv_budget: series are not "
+                        "published on /metrics; the plan and live findings stay in this log")
+        original(*call.args, **call.kwargs)
+    return __init__
+
+
+def patch_async_llm(async_llm_cls) -> None:
+    """The ``kv_budget:`` figures on ``/metrics`` where vLLM logs stats."""
+    patch_method(async_llm_cls, "__init__", stat_logger_where_stats_are_on)
 
 
 def _warn_once(key: str, message: str, *args: Any) -> None:

@@ -6,7 +6,7 @@ After the startup plan (:mod:`.startup_hook`), an engine under ``cap`` or
 requests that completed and, every ``sample_interval_s`` (and once more
 when the engine goes idle, which is when a leak shows), asks every worker
 through ``collective_rpc`` for the bytes its declaring owners hold
-(:func:`measure_on_worker`, :class:`kv_budget.audit.HeldBytes`). The
+(:func:`measure_on_worker`, :class:`kv_budget.sample.caches.HeldBytes`). The
 comparison and the decision are :class:`kv_budget.watch.live.LiveMonitor`'s; this
 module only feeds it and applies what it returns:
 
@@ -33,9 +33,9 @@ import os
 import time
 from typing import Any
 
-from kv_budget.audit import HeldBytes, UnsupportedCacheError
-from kv_budget.plan.planner import Plan, Policy
-from kv_budget.settings import ModelLocalKVSettings
+from kv_budget.plan.planner import Plan
+from kv_budget.sample.caches import HeldBytes, UnsupportedCacheError
+from kv_budget.settings import ModelLocalKVSettings, Policy
 from kv_budget.vllm.compat import checked_vllm
 from kv_budget.vllm.patching import patch_method
 from kv_budget.watch.live import LiveMonitor, WorkerSample

@@ -25,20 +25,13 @@ import logging
 import time
 from typing import Any
 
-from kv_budget.ledger import open_ledger
-from kv_budget.plan.planner import Policy, WorkerBudget
-from kv_budget.plan.reserve import ReservePlan, plan_reserve, reserve_out_of_pool
-from kv_budget.report import render_reserve_table, reserve_infeasible_message
-from kv_budget.settings import LEDGER_OFF, ModelLocalKVSettings, settings_from_additional_config
+from kv_budget.plan.planner import WorkerBudget
+from kv_budget.plan.reserve import plan_reserve, reserve_out_of_pool
+from kv_budget.report import reserve_infeasible_message
+from kv_budget.settings import ModelLocalKVSettings, Policy, settings_from_additional_config
+from kv_budget.startup import ModelLocalKVInfeasibleError, record_in_ledger, report_reserve
 from kv_budget.vllm.patching import patch_method
-from kv_budget.vllm.startup_hook import (
-    ModelLocalKVInfeasibleError,
-    collect_budgets,
-    engine_label,
-    ledger_directory,
-    log_vllm,
-    write_report,
-)
+from kv_budget.vllm.startup_hook import collect_budgets, this_engine, vllm_figures
 
 logger = logging.getLogger("vllm.kv_budget")
 
@@ -79,9 +72,10 @@ def reserve_in_pool(executor: Any, available: list[int], settings: ModelLocalKVS
     plan = plan_reserve(reservations, configured, vllm_config.model_config.max_model_len)
     binding = next(w for w in workers if w.rank == plan.binding_rank)
     if not plan.feasible:
-        _log_and_write(plan, binding, settings, time.perf_counter() - start)
+        report_reserve(plan, binding, settings, time.perf_counter() - start, vllm_figures())
         raise ModelLocalKVInfeasibleError(reserve_infeasible_message(plan))
-    _record_in_ledger(settings, results, plan, vllm_config)
+    record_in_ledger(settings, [r.get("device") for r in results], [r.reserved_bytes for r in plan.reservations],
+                     this_engine(vllm_config))
     setattr(executor, _PENDING, (plan, binding, settings, time.perf_counter() - start))
     return [r.pool_bytes_after for r in plan.reservations]
 
@@ -117,45 +111,7 @@ def confirm_reservation(executor: Any, kv_cache_configs: list[Any]) -> None:
             "num_blocks_after": blocks_after,
             "max_concurrency_at_max_model_len": blocks_after / confirmed.blocks_per_sequence,
         })
-    _log_and_write(confirmed, binding, settings, seconds)
-
-
-def _record_in_ledger(settings: ModelLocalKVSettings, results: list[dict], plan: ReservePlan, vllm_config) -> None:
-    """Other engines on the device sample free memory that still holds this
-    engine's model-local KV to come: record it, as ``cap`` records its peak."""
-    if settings.ledger_dir == LEDGER_OFF:
-        return
-    by_device: dict[str, int] = {}
-    for result, reservation in zip(results, plan.reservations):
-        device = result.get("device") or ""
-        by_device[device] = by_device.get(device, 0) + reservation.reserved_bytes
-    with open_ledger(ledger_directory(settings), list(by_device)) as ledger:
-        for device, reserved in by_device.items():
-            ledger.record(device, engine_label(vllm_config), reserved)
-
-
-def _log_and_write(plan: ReservePlan, binding: WorkerBudget, settings: ModelLocalKVSettings, seconds: float) -> None:
-    log_vllm()
-    for line in render_reserve_table(plan, binding).splitlines():
-        logger.info("%s", line)
-    logger.info("kv-budget: collect + reserve took %.3f s over %d worker(s)", seconds, len(plan.reservations))
-    if not settings.report_path:
-        return
-    report = {
-        "policy": Policy.RESERVE.value,
-        "decision": "reserved" if plan.feasible else "infeasible",
-        "configured_max_num_seqs": plan.max_num_seqs,
-        "effective_max_num_seqs": plan.max_num_seqs,
-        "charged_bytes": binding.charged_bytes,
-        "uncharged_fixed_bytes": binding.uncharged_fixed_bytes,
-        "per_seq_bytes": binding.per_seq_bytes,
-        "predicted_peak_bytes": plan.reserved_bytes,
-        "declarations": [line.model_dump(mode="json") for line in binding.declarations],
-        "failures": [failure.model_dump(mode="json") for failure in binding.failures],
-        **plan.model_dump(mode="json"),
-        "plugin_seconds": seconds,
-    }
-    write_report(settings.report_path, report)
+    report_reserve(confirmed, binding, settings, seconds, vllm_figures())
 
 
 def patch_executor(executor_cls) -> None:

@@ -5,7 +5,7 @@ declaration can be wrong in ways only a measurement shows: it names fewer
 positions than the model allocates, a cache it names is never used, a
 finished request's rows are never freed. So while the engine serves, every
 ``sample_interval_s`` the workers count the bytes the declaring owners'
-caches hold (:func:`kv_budget.audit.owner_held_bytes`: storages, each once)
+caches hold (:class:`kv_budget.sample.caches.HeldBytes`: storages, each once)
 and the engine core compares them, owner by owner, with what the owner's
 declarations allow at the number of sequences the workers may be holding.
 
@@ -53,10 +53,10 @@ from typing import Literal
 from pydantic import BaseModel
 
 from kv_budget.declare.spec import RowDriver, Scope
-from kv_budget.plan.planner import Charge, Plan, Policy, WorkerBudget, _safe_max_num_seqs
+from kv_budget.plan.planner import Charge, Plan, WorkerBudget, safe_max_num_seqs
+from kv_budget.settings import DEFAULT_SAMPLE_INTERVAL_S, Policy
 
 __all__ = [
-    "DEFAULT_SAMPLE_INTERVAL_S",
     "DEAD_AFTER_COMPLETED",
     "MAX_SAMPLING_FRACTION",
     "OwnerBytes",
@@ -71,12 +71,6 @@ __all__ = [
     "owner_expectations",
     "live_safe_max_num_seqs",
 ]
-
-DEFAULT_SAMPLE_INTERVAL_S = 1.0
-"""Seconds between samples, at least (see :data:`MAX_SAMPLING_FRACTION`).
-The first sample is taken at the first step, so a short declaration is
-caught before the first requests have grown; later samples follow growth
-and catch leaks."""
 
 MAX_SAMPLING_FRACTION = 0.005
 """The most of the engine's time sampling may take: a sample that took
@@ -158,8 +152,8 @@ def owner_expectations(worker: WorkerBudget) -> list[OwnerExpectation]:
 
 def live_safe_max_num_seqs(headroom_bytes: int, uncharged_fixed_bytes: int, per_seq_bytes: int) -> int | None:
     """The planner's bound, with the measured per-sequence bytes: same
-    arithmetic, one function (:func:`kv_budget.plan.planner._safe_max_num_seqs`)."""
-    return _safe_max_num_seqs(headroom_bytes, uncharged_fixed_bytes, per_seq_bytes)
+    arithmetic, one function (:func:`kv_budget.plan.planner.safe_max_num_seqs`)."""
+    return safe_max_num_seqs(headroom_bytes, uncharged_fixed_bytes, per_seq_bytes)
 
 
 class OwnerLive(BaseModel):

@@ -40,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple, get_args
 
-from kv_budget.plan.planner import DeclarationLine, Plan, _at_max_num_seqs
+from kv_budget.plan.planner import DeclarationLine, Plan, at_max_num_seqs
 from kv_budget.watch.live import Finding, LiveState, Verdict
 from kv_budget.watch.status import EngineStatus
 
@@ -229,7 +229,7 @@ def _plan_samples(out: _Samples, plan: Plan) -> None:
         out.add("rank_safe_max_num_seqs", worker.safe_max_num_seqs, rank=rank)
         for line in worker.declarations:
             # A worker's lines are sized at the configured max_num_seqs; the plan's peak is at the startup value.
-            at_plan = _at_max_num_seqs(line, plan.effective_max_num_seqs)
+            at_plan = at_max_num_seqs(line, plan.effective_max_num_seqs)
             labels = _declaration_labels(worker.rank, line)
             out.add("declaration_bytes_per_row", line.bytes_per_row, **labels)
             out.add("declaration_peak_bytes", at_plan.peak_bytes, **labels)

@@ -47,8 +47,8 @@ from typing import Any
 
 import torch
 
-from kv_budget.audit import cache_breakdown, measure_cache_bytes
-from kv_budget.collect import collect_model_local_kv_specs
+from kv_budget.collect.model import collect_model_local_kv_specs
+from kv_budget.sample.caches import cache_breakdown, measure_cache_bytes
 from peers.vllm_omni.files import import_omni_module
 from peers.vllm_omni.vllm_setup import built_under, finish_loading, vllm_cpu_config
 

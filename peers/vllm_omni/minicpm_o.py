@@ -71,8 +71,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from kv_budget.audit import measure_cache_bytes
-from kv_budget.collect import collect_model_local_kv_specs
+from kv_budget.collect.model import collect_model_local_kv_specs
+from kv_budget.sample.caches import measure_cache_bytes
 from peers.vllm_omni.files import import_omni_module, omni_root
 from peers.vllm_omni.vllm_setup import built_under, finish_loading, vllm_cpu_config
 

@@ -57,7 +57,7 @@ from typing import Any
 
 import torch
 
-from kv_budget.audit import cache_breakdown, measure_cache_bytes
+from kv_budget.sample.caches import cache_breakdown, measure_cache_bytes
 from peers.vllm_omni.files import import_omni_module
 
 if "vllm" not in sys.modules:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kv_budget.collect import Collection, OwnedSpec
+from kv_budget.collect.model import Collection, OwnedSpec
 from kv_budget.declare.spec import OPTIONAL_SPEC_FIELDS, SPEC_FIELDS, InvalidDeclarationError, ModelLocalKVSpec
 
 __all__ = ["SpecFileError", "load_spec_file", "parse_dtype"]

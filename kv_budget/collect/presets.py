@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kv_budget.collect import Collection, OwnedSpec
+from kv_budget.collect.model import Collection, OwnedSpec
 from kv_budget.declare.spec import ModelLocalKVSpec, RowDriver, Scope
 
 __all__ = ["PRESETS", "Preset", "preset_collection"]

@@ -1,80 +1,35 @@
-"""Plan a vLLM-Omni deployment from its deploy file, before starting it.
+"""Read a vLLM-Omni deploy file for planning (:func:`load_deploy`).
 
-vLLM-Omni runs a model as several stages, each its own engine, and its
-default deploy files put several stages on one GPU. Its admission check
-(``engine/stage_admission.py``, only with ``parallel_stage_init``) proves per
-device that the stages' budgets fit::
+vLLM-Omni runs a model as several stages, each its own engine, and a deploy
+file says where each stage runs and how it is sized. This module reads one
+as vLLM-Omni ships it, so that :mod:`kv_budget.plan.deploy` can plan it
+without vLLM-Omni installed:
 
-    sum int(capacity x gpu_memory_utilization) + 2 GiB per stage that
-    captures CUDA graphs + 1 GiB external reserve + 1 GiB margin <= capacity
+* ``base_config:`` inheritance, resolved relative to the file that names
+  it; an inheriting file's top-level keys win, its ``stages`` and
+  ``platforms`` merge by stage (``engine_args:`` and ``engine_extras:`` key
+  by key, any other stage key replaced whole), as vLLM-Omni merges.
+* ``stages`` in the flat or the nested (``engine_args:``, ``runtime:``)
+  layout, split as vLLM-Omni's loader splits them: an explicit
+  ``engine_extras`` entry wins over a ``StageDeployConfig`` field.
+* ``platforms:`` overrides only when a platform is named: vLLM-Omni applies
+  the platform it runs on, and a plan made on another machine must say
+  which.
+* replicas: ``num_replicas`` > 1 with ``devices`` given as the whole pool or
+  as a one-replica template.
 
-It counts no model-local KV: the caches a stage's model keeps outside the
-paged pool (Qwen3-TTS's codec decoder, MiMo-Audio's local transformer,
-MiniCPM-o's streaming encoder) come on top, per running sequence. This
-module reproduces that ledger to the byte and then charges each stage's
-declarations on every device the stage uses, so an operator sees before
-starting whether the device fits and which ``max_num_seqs`` each stage can
-keep.
-
-Two separate steps, so each can be tested on its own:
-
-* :func:`load_deploy` reads a deploy file as vLLM-Omni ships it:
-  ``base_config:`` inheritance (resolved relative to the file), ``stages``
-  in the flat or the nested (``engine_args:``, ``runtime:``) layout, and
-  ``platforms:`` overrides only when a platform is named (vLLM-Omni applies
-  the platform it runs on; a plan made on another machine must say which).
-* :func:`plan_deploy` is pure integer arithmetic on what was read, the
-  device sizes and each stage's declarations, like vLLM-Omni's
-  ``evaluate()``.
-
-Semantics (docs/deploy.md walks through them with the shipped files):
-
-* **Requested**: ``int(capacity x gpu_memory_utilization)`` per stage and
-  device, in floating point exactly as ``evaluate()`` computes it (a
-  :class:`fractions.Fraction` would differ by a byte on some sizes, and the
-  ledger must be vLLM-Omni's own). Attention-free stages (Qwen3-TTS's
-  code2wav) allocate no paged pool but are still charged their whole share,
-  as vLLM-Omni charges them: the share is the stage's memory budget, not its
-  pool. A stage without ``gpu_memory_utilization`` gets vLLM 0.30's default,
-  0.92.
-* **kv_cache_memory_bytes** sizes only a stage's paged pool (vLLM skips
-  profiling and ignores ``gpu_memory_utilization`` for the pool; weights and
-  activations come on top), and vLLM-Omni's admission still charges the
-  utilization share. So the share stays the requested term; where the pool
-  alone is larger than the share, the difference is charged as
-  ``kv_cache_excess_bytes`` (the stage cannot stay inside its share then).
-* **Graph reserve**: 2 GiB per stage and device unless ``enforce_eager`` is
-  true or ``compilation_config.cudagraph_mode`` is ``NONE``, as vLLM-Omni's
-  ``graph_reserve_bytes``. From the file alone every stage is taken to be
-  an LLM stage; a diffusion stage (no graph reserve in vLLM-Omni) would be
-  over-reserved by 2 GiB here.
-* **Already-charged** model-local KV (scope ``model``) is reported and never
-  subtracted: it is allocated while the model loads, profiles or captures
-  graphs, so it sits inside the stage's requested share (the pool shrinks to
-  make room) or in its graph reserve. Subtracting it again would double count
-  it, as in :mod:`kv_budget.plan.planner`.
-* **Left for per-sequence KV** on a device = capacity - required (vLLM-Omni's
-  terms) - kv_cache excess - every stage's uncharged fixed model-local KV.
-  A stage's declarations count on *every* device it lists (each
-  tensor-parallel worker runs every sequence).
-* **Split rule, "proportional to configured demand"**: the declaring stages
-  on a device need ``per_seq x max_num_seqs`` each. If their sum fits what
-  is left, each keeps its configured value. Otherwise each gets a share of
-  what is left in proportion to its configured demand, and its safe value is
-  ``floor(share / per_seq)``; a stage on several devices takes its minimum.
-  Proportional shares keep the ratio the deploy file chose between stages,
-  rather than letting whichever stage is planned first take everything.
-* **fits** (per device) is false when vLLM-Omni's own test fails (required >
-  capacity), when the uncharged fixed model-local KV does not fit, or when a
-  declaring stage's safe ``max_num_seqs`` there is 0.
-
-Every figure is integer bytes. Nothing here imports vLLM or vLLM-Omni.
+Each setting keeps where it came from (the key, or why it is unset), so the
+plan's inputs can be checked against the file by hand. A stage without
+``gpu_memory_utilization`` gets vLLM 0.30's default, 0.92. A stage is
+charged vLLM-Omni's 2 GiB graph reserve unless ``enforce_eager`` is true or
+``compilation_config.cudagraph_mode`` is ``NONE``. Anything that cannot be
+planned raises :class:`DeployError` naming the file, the key and the value.
+Nothing here imports vLLM or vLLM-Omni.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,36 +37,15 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict
 
-from kv_budget.collect import Collection
-from kv_budget.plan.planner import (
-    Constraint,
-    Decision,
-    DeclarationLine,
-    Policy,
-    WorkerBudget,
-    budget_worker,
-    headroom_override,
-    make_plan,
-)
 from kv_budget.units import GiB
 
 __all__ = [
     "DeployError",
     "DEFAULT_GPU_MEMORY_UTILIZATION",
     "GRAPH_RESERVE_BYTES",
-    "EXTERNAL_RESERVE_BYTES",
-    "SAFETY_MARGIN_BYTES",
-    "SPLIT_RULE",
     "StageDeploy",
     "DeployFile",
-    "StageDeclarations",
-    "StageOnDevice",
-    "DeviceLedger",
-    "StagePlan",
-    "DeployPlan",
     "load_deploy",
-    "plan_deploy",
-    "requested_bytes",
 ]
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
@@ -121,23 +55,10 @@ entry sets no ``gpu_memory_utilization`` (vLLM-Omni sets none of its own)."""
 GRAPH_RESERVE_BYTES = 2 * GiB
 """vLLM-Omni's admission reserve per stage that captures CUDA graphs."""
 
-EXTERNAL_RESERVE_BYTES = 1 * GiB
-"""vLLM-Omni's admission reserve for consumers outside every stage."""
-
-SAFETY_MARGIN_BYTES = 1 * GiB
-"""vLLM-Omni's admission margin for fragmentation and allocator slack."""
-
-SPLIT_RULE = "proportional to configured demand"
-"""Name of the rule that splits what is left on a device between the stages
-declaring per-sequence KV there (see the module docstring)."""
-
 
 class DeployError(ValueError):
     """A deploy file, or an option about it, that cannot be planned; the
     message names the file, the key and the value."""
-
-
-# ---- reading a deploy file ---------------------------------------------------
 
 
 class _Loader(yaml.SafeLoader):
@@ -608,378 +529,4 @@ def load_deploy(path: str | Path, platform: str | None = None) -> DeployFile:
         platform=platform,
         platform_note=note,
         stages=[_stage_deploy(stage, data, where) for stage in stages.values()],
-    )
-
-
-# ---- the plan ------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StageDeclarations:
-    """What one stage's model declares, and where the declarations came from
-    (a preset name or a spec file), for the plan's inputs."""
-
-    stage_id: int
-    source: str
-    collection: Collection
-
-
-class StageOnDevice(BaseModel):
-    """One replica of a stage on one device: its admission terms and its
-    model-local KV there."""
-
-    stage_id: int
-    replica: int
-    gpu_memory_utilization: float
-    requested_bytes: int
-    """``int(capacity x gpu_memory_utilization)``, as vLLM-Omni computes it."""
-
-    graph_reserve_bytes: int
-    kv_cache_memory_bytes: int | None
-    kv_cache_excess_bytes: int
-    """Pool size beyond the utilization share (0 unless the fixed pool is
-    larger than the share)."""
-
-    charged_bytes: int
-    uncharged_fixed_bytes: int
-    per_seq_bytes: int
-    configured_max_num_seqs: int | None
-    per_seq_demand_bytes: int
-    """per_seq x configured max_num_seqs: its claim in the split."""
-
-    share_bytes: int | None
-    """Its part of what is left for per-sequence KV; None when it declares
-    nothing per sequence."""
-
-    headroom_source: str | None
-    safe_max_num_seqs: int | None
-    """min(configured, floor(share / per_seq)) on this device; None when
-    model-local KV puts no bound on it here."""
-
-
-class DeviceLedger(BaseModel):
-    """One device: vLLM-Omni's admission terms, then model-local KV."""
-
-    device: int
-    capacity_bytes: int
-    capacity_source: str
-    stages: list[StageOnDevice]
-    requested_bytes: int
-    """Sum of the stages' ``int(capacity x gpu_memory_utilization)``."""
-
-    graph_reserve_bytes: int
-    external_reserve_bytes: int
-    margin_bytes: int
-    required_bytes: int
-    """requested + graph reserve + external reserve + margin: vLLM-Omni's
-    left-hand side."""
-
-    admission_fits: bool
-    """vLLM-Omni's own test, ``required <= capacity``."""
-
-    kv_cache_excess_bytes: int
-    charged_bytes: int
-    """Already-charged model-local KV, inside the requested shares or graph
-    reserves; reported, not subtracted."""
-
-    uncharged_fixed_bytes: int
-    left_for_per_seq_bytes: int
-    """capacity - required - kv_cache excess - uncharged fixed: what the
-    per-sequence KV of the declaring stages must fit. Negative when even the
-    fixed part does not fit."""
-
-    per_seq_demand_bytes: int
-    """Sum of per_seq x configured max_num_seqs of the stages here."""
-
-    model_local_bytes: int
-    """Uncharged model-local KV at each stage's effective max_num_seqs:
-    fixed + per_seq x effective."""
-
-    free_bytes: int
-    """capacity - required - kv_cache excess - model_local_bytes: what
-    stays unclaimed with the plan applied (negative: over-committed, as under
-    ``warn`` when the configured values do not fit)."""
-
-    fits: bool
-
-
-class StagePlan(BaseModel):
-    """One stage's figures and its ``max_num_seqs`` under the plan."""
-
-    stage_id: int
-    devices: list[int]
-    settings: StageDeploy
-    """What the deploy file set for the stage, with where each came from."""
-
-    declarations_source: str | None
-    """Preset name or spec file; None when nothing was declared for it."""
-
-    configured_max_num_seqs: int | None
-    safe_max_num_seqs: int | None
-    """min(configured, the smallest per-device bound); None when model-local
-    KV puts no bound on the stage (it declares nothing per sequence and its
-    fixed part fits)."""
-
-    effective_max_num_seqs: int | None
-    decision: Decision
-    per_seq_bytes: int
-    uncharged_fixed_bytes: int
-    charged_bytes: int
-    constraints: list[Constraint]
-    declarations: list[DeclarationLine]
-
-
-class DeployPlan(BaseModel):
-    """The per-device ledger and each stage's ``max_num_seqs``."""
-
-    deploy_file: str
-    base_files: list[str]
-    platform: str | None
-    platform_note: str
-    policy: Policy
-    split_rule: str
-    devices: list[DeviceLedger]
-    stages: list[StagePlan]
-    fits: bool
-    """Every device fits."""
-
-    @property
-    def infeasible(self) -> bool:
-        """Under ``cap``, some device cannot host its stages: start nothing."""
-        return self.policy is Policy.CAP and not self.fits
-
-
-def requested_bytes(capacity_bytes: int, gpu_memory_utilization: float) -> int:
-    """A stage's requested term on a device, in floating point exactly as
-    vLLM-Omni's ``evaluate()`` computes it, so the ledger matches to the byte."""
-    return int(capacity_bytes * gpu_memory_utilization)
-
-
-def plan_deploy(
-    deploy: DeployFile,
-    capacities: Mapping[int, int],
-    declarations: Mapping[int, StageDeclarations] | None = None,
-    policy: Policy | str = Policy.CAP,
-    capacity_sources: Mapping[int, str] | None = None,
-) -> DeployPlan:
-    """The per-device ledger of ``deploy`` on devices of ``capacities``
-    bytes, with each stage's ``declarations`` charged on its devices.
-
-    Pure arithmetic on integers (no file, no device), like vLLM-Omni's
-    ``evaluate()``. Raises :class:`DeployError` when a device has no size,
-    declarations name a stage the file lacks, or a declaring stage has no
-    ``max_num_seqs``.
-    """
-    policy = Policy(policy)
-    declarations = dict(declarations or {})
-    used = _check_inputs(deploy, capacities, declarations)
-    by_id = {stage.stage_id: stage for stage in deploy.stages}
-    # Each stage's declarations split once (charged / fixed / per sequence):
-    # those figures do not depend on any headroom.
-    splits = {sid: budget_worker(decl.collection, headroom_override(0), max_num_seqs=by_id[sid].max_num_seqs or 1)
-              for sid, decl in declarations.items()}
-
-    entries: dict[int, list[StageOnDevice]] = {device: [] for device in used}
-    for stage in deploy.stages:
-        for replica, replica_devices in enumerate(stage.replicas):
-            for device in replica_devices:
-                entries[device].append(_stage_on_device(stage, replica, capacities[device],
-                                                        splits.get(stage.stage_id)))
-
-    workers: dict[int, list[WorkerBudget]] = {sid: [] for sid in splits}
-    terms = {}
-    for device, here in entries.items():
-        terms[device] = _Terms.of(capacities[device], here)
-        for index, entry in enumerate(here):
-            if entry.stage_id in splits and (entry.uncharged_fixed_bytes or entry.per_seq_bytes):
-                here[index], worker = _bound(entry, device, terms[device], declarations[entry.stage_id])
-                workers[entry.stage_id].append(worker)
-
-    stages = [_stage_plan(stage, declarations.get(stage.stage_id), splits.get(stage.stage_id),
-                          workers.get(stage.stage_id, []), policy) for stage in deploy.stages]
-    effective = {stage.stage_id: stage.effective_max_num_seqs or 0 for stage in stages}
-    sources = capacity_sources or {}
-    devices = [_device_ledger(device, here, terms[device], effective, sources.get(device, "given"))
-               for device, here in entries.items()]
-    return DeployPlan(
-        deploy_file=deploy.path,
-        base_files=deploy.base_files,
-        platform=deploy.platform,
-        platform_note=deploy.platform_note,
-        policy=policy,
-        split_rule=SPLIT_RULE,
-        devices=devices,
-        stages=stages,
-        fits=all(device.fits for device in devices),
-    )
-
-
-def _check_inputs(deploy: DeployFile, capacities: Mapping[int, int],
-                  declarations: Mapping[int, StageDeclarations]) -> list[int]:
-    """The devices the stages use, once every input the plan needs is there."""
-    where = deploy.where()
-    by_id = {stage.stage_id: stage for stage in deploy.stages}
-    for sid, decl in declarations.items():
-        if sid not in by_id:
-            raise DeployError(f"{where}: declarations for stage {sid} ({decl.source}): the file has stages "
-                              f"{sorted(by_id)}")
-        if decl.collection.specs and by_id[sid].max_num_seqs is None:
-            raise DeployError(
-                f"{where}: stages[stage_id={sid}].max_num_seqs = None: stage {sid} declares model-local KV "
-                f"({decl.source}), which needs its max_num_seqs; vLLM's default depends on the device"
-            )
-    used = sorted({device for stage in deploy.stages for device in stage.devices})
-    missing = [device for device in used if device not in capacities]
-    if missing:
-        raise DeployError(f"{where}: no size for device(s) {missing}; the stages use devices {used}")
-    return used
-
-
-def _stage_on_device(stage: StageDeploy, replica: int, capacity: int, split: WorkerBudget | None) -> StageOnDevice:
-    requested = requested_bytes(capacity, stage.gpu_memory_utilization)
-    per_seq = split.per_seq_bytes if split else 0
-    return StageOnDevice(
-        stage_id=stage.stage_id,
-        replica=replica,
-        gpu_memory_utilization=stage.gpu_memory_utilization,
-        requested_bytes=requested,
-        graph_reserve_bytes=stage.graph_reserve_bytes,
-        kv_cache_memory_bytes=stage.kv_cache_memory_bytes,
-        kv_cache_excess_bytes=max(0, (stage.kv_cache_memory_bytes or 0) - requested),
-        charged_bytes=split.charged_bytes if split else 0,
-        uncharged_fixed_bytes=split.uncharged_fixed_bytes if split else 0,
-        per_seq_bytes=per_seq,
-        configured_max_num_seqs=stage.max_num_seqs,
-        per_seq_demand_bytes=per_seq * (stage.max_num_seqs or 0),
-        share_bytes=None,
-        headroom_source=None,
-        safe_max_num_seqs=None,
-    )
-
-
-@dataclass(frozen=True)
-class _Terms:
-    """One device's sums: vLLM-Omni's terms, then what they leave."""
-
-    capacity: int
-    requested: int
-    graph: int
-    required: int
-    excess: int
-    fixed: int
-    left: int
-    demand: int
-
-    @classmethod
-    def of(cls, capacity: int, entries: list[StageOnDevice]) -> _Terms:
-        requested = sum(e.requested_bytes for e in entries)
-        graph = sum(e.graph_reserve_bytes for e in entries)
-        required = requested + graph + EXTERNAL_RESERVE_BYTES + SAFETY_MARGIN_BYTES
-        excess = sum(e.kv_cache_excess_bytes for e in entries)
-        fixed = sum(e.uncharged_fixed_bytes for e in entries)
-        return cls(capacity, requested, graph, required, excess, fixed,
-                   left=capacity - required - excess - fixed,
-                   demand=sum(e.per_seq_demand_bytes for e in entries))
-
-
-def _bound(entry: StageOnDevice, device: int, terms: _Terms,
-           decl: StageDeclarations) -> tuple[StageOnDevice, WorkerBudget]:
-    """The stage's share of what is left on the device (the split rule) and
-    the planner's bound on it there: the share plus the stage's own fixed
-    part is its headroom, so :func:`kv_budget.plan.planner.budget_worker` gives
-    ``floor(share / per_seq)``. When even the fixed parts do not fit, every
-    declaring stage on the device gets less than its fixed part: 0."""
-    if terms.left < 0:
-        share = 0
-        headroom = max(entry.uncharged_fixed_bytes + terms.left, 0)
-        source = (f"device {device}: uncharged fixed {terms.fixed:,} B of all stages exceeds what vLLM-Omni's "
-                  f"terms leave ({terms.left + terms.fixed:,} B) by {-terms.left:,} B")
-    else:
-        share = terms.left * entry.per_seq_demand_bytes // terms.demand if terms.demand else 0
-        headroom = entry.uncharged_fixed_bytes + share
-        source = (f"device {device}: own uncharged fixed {entry.uncharged_fixed_bytes:,} B + share "
-                  f"{share:,} B = left {terms.left:,} B x demand {entry.per_seq_demand_bytes:,} B / "
-                  f"total demand {terms.demand:,} B")
-    worker = budget_worker(decl.collection, headroom_override(headroom, source), rank=device,
-                           max_num_seqs=entry.configured_max_num_seqs or 1)
-    safe = worker.safe_max_num_seqs
-    if safe is not None and entry.configured_max_num_seqs is not None:
-        safe = min(safe, entry.configured_max_num_seqs)
-    updated = entry.model_copy(update={
-        "share_bytes": share if entry.per_seq_bytes else None,
-        "headroom_source": source,
-        "safe_max_num_seqs": safe,
-    })
-    return updated, worker
-
-
-def _device_ledger(device: int, entries: list[StageOnDevice], terms: _Terms, effective: Mapping[int, int],
-                   capacity_source: str) -> DeviceLedger:
-    model_local = sum(e.uncharged_fixed_bytes + e.per_seq_bytes * effective[e.stage_id] for e in entries)
-    admission_fits = terms.required <= terms.capacity
-    starved = any(e.safe_max_num_seqs == 0 for e in entries)
-    return DeviceLedger(
-        device=device,
-        capacity_bytes=terms.capacity,
-        capacity_source=capacity_source,
-        stages=entries,
-        requested_bytes=terms.requested,
-        graph_reserve_bytes=terms.graph,
-        external_reserve_bytes=EXTERNAL_RESERVE_BYTES,
-        margin_bytes=SAFETY_MARGIN_BYTES,
-        required_bytes=terms.required,
-        admission_fits=admission_fits,
-        kv_cache_excess_bytes=terms.excess,
-        charged_bytes=sum(e.charged_bytes for e in entries),
-        uncharged_fixed_bytes=terms.fixed,
-        left_for_per_seq_bytes=terms.left,
-        per_seq_demand_bytes=terms.demand,
-        model_local_bytes=model_local,
-        free_bytes=terms.capacity - terms.required - terms.excess - model_local,
-        fits=admission_fits and terms.left >= 0 and not starved,
-    )
-
-
-def _stage_plan(stage: StageDeploy, decl: StageDeclarations | None, split: WorkerBudget | None,
-                workers: list[WorkerBudget], policy: Policy) -> StagePlan:
-    """A stage's bound: the minimum over its devices, decided by
-    :func:`kv_budget.plan.planner.make_plan` under ``policy``."""
-    configured = stage.max_num_seqs
-    constraints = []
-    if configured is not None:
-        constraints.append(Constraint(name="configured max_num_seqs", value=configured,
-                                      detail=f"deploy file {stage.max_num_seqs_source}"))
-    safe, effective, decision = None, configured, Decision.OK
-    lines: list[DeclarationLine] = []
-    if split is not None:
-        lines = split.declarations
-    if workers:
-        plan = make_plan(workers, configured, policy)
-        lines = plan.declarations
-        for worker in workers:
-            if worker.safe_max_num_seqs is None:
-                continue
-            constraints.append(Constraint(
-                name=f"model-local KV share on device {worker.rank}",
-                value=worker.safe_max_num_seqs,
-                detail=(f"floor((headroom {worker.headroom.bytes:,} B - uncharged fixed "
-                        f"{worker.uncharged_fixed_bytes:,} B) / per-sequence {worker.per_seq_bytes:,} B); "
-                        f"{worker.headroom.source}"),
-            ))
-        safe = None if plan.safe_max_num_seqs is None else min(plan.safe_max_num_seqs, configured)
-        effective, decision = plan.effective_max_num_seqs, plan.decision
-    return StagePlan(
-        stage_id=stage.stage_id,
-        devices=stage.devices,
-        settings=stage,
-        declarations_source=decl.source if decl else None,
-        configured_max_num_seqs=configured,
-        safe_max_num_seqs=safe,
-        effective_max_num_seqs=effective,
-        decision=decision,
-        per_seq_bytes=split.per_seq_bytes if split else 0,
-        uncharged_fixed_bytes=split.uncharged_fixed_bytes if split else 0,
-        charged_bytes=split.charged_bytes if split else 0,
-        constraints=constraints,
-        declarations=lines,
     )

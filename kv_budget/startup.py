@@ -1,0 +1,321 @@
+"""What an engine does with model-local KV at startup, in the flow's order.
+
+The vLLM glue gathers what only vLLM can give and applies what comes back;
+everything between is here, as two calls:
+
+* :func:`budget_loaded_model`, in every worker: settings -> collect ->
+  override -> sample -> budget, returned as plain JSON data (it crosses a
+  process boundary, vLLM's ``collective_rpc``);
+* :func:`plan_startup`, in the engine core, with every worker's result:
+  failures and overrides checked -> the device ledger -> the plan -> the
+  report (the log table, the report file). The glue then applies the plan:
+  the cap on ``scheduler_config``, then live sampling.
+
+Policy ``reserve`` uses the same worker call without sampling, then
+:func:`record_in_ledger` and :func:`report_reserve` for its own plan
+(:mod:`kv_budget.plan.reserve`, applied by the glue's pool hook).
+
+Every refusal is one of three exceptions whose message says what to do.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from kv_budget.collect.model import collect_model_local_kv_specs
+from kv_budget.ledger import default_ledger_dir, open_ledger
+from kv_budget.override import OverrideError, apply_overrides, declaration_label, parse_overrides, unmatched_message
+from kv_budget.plan.planner import (
+    Decision,
+    Headroom,
+    LedgerLine,
+    Plan,
+    ReservationLine,
+    WorkerBudget,
+    budget_worker,
+    headroom_from_free,
+    headroom_override,
+    make_plan,
+    shared_budget,
+)
+from kv_budget.plan.reserve import ReservePlan
+from kv_budget.report import infeasible_message, render_plan_table, render_reserve_table
+from kv_budget.sample.device import MemorySamplingError, device_identity, sample_memory
+from kv_budget.settings import LEDGER_OFF, ModelLocalKVSettings, Policy
+
+logger = logging.getLogger("vllm.kv_budget")
+"""Under vLLM's logger, so the lines carry vLLM's format and level."""
+
+__all__ = [
+    "NO_HEADROOM_UNDER_RESERVE",
+    "ModelLocalKVInfeasibleError",
+    "ModelLocalKVOverrideError",
+    "ModelLocalKVPlanningError",
+    "budget_loaded_model",
+    "checked_results",
+    "engine_label",
+    "ledger_directory",
+    "plan_startup",
+    "record_in_ledger",
+    "report_reserve",
+    "write_report",
+]
+
+
+class ModelLocalKVInfeasibleError(RuntimeError):
+    """Under ``cap``, not even one sequence's model-local KV fits: the
+    engine refuses to start rather than fail on the first requests."""
+
+
+class ModelLocalKVPlanningError(ModelLocalKVInfeasibleError):
+    """A worker failed while collecting or budgeting (not a declarer: those
+    are recorded and planned around). Under ``cap`` and ``reserve`` the
+    engine refuses in one line naming the rank and the error, rather than
+    end in the RPC's traceback."""
+
+    def __init__(self, failures: list[str], policy: Policy) -> None:
+        self.failures = failures
+        super().__init__(f"kv-budget could not plan model-local KV ({'; '.join(failures)}); "
+                         f"policy {policy.value} refuses to start without a plan")
+
+
+class ModelLocalKVOverrideError(ValueError):
+    """An operator override matches no declaration on any worker, or makes
+    a declaration invalid. Raised under every policy: a correction that
+    silently does nothing leaves the figure it was meant to fix."""
+
+
+NO_HEADROOM_UNDER_RESERVE = "not sampled: policy reserve takes model-local KV out of the paged pool"
+
+
+# --- in every worker ----------------------------------------------------------
+
+def budget_loaded_model(
+    model: Any, rank: int, device: tuple[str, int], settings: dict, configured_max_num_seqs: int, sharers: int,
+    sample: bool = True,
+) -> dict:
+    """Collect the loaded model's declarations, apply the operator's
+    overrides, sample the worker's device (unless ``sample`` is False:
+    ``reserve`` needs no headroom), and budget it. A problem is reported in
+    ``error`` / ``override_error`` / ``failure`` for :func:`plan_startup` to
+    raise, with every rank's figures in hand; this never raises."""
+    start = time.perf_counter()
+    result: dict[str, Any] = {
+        "rank": rank,
+        "budget": None,
+        "error": None,
+        "override_error": None,
+        "failure": None,
+        "declarations": [],
+        "unmatched_overrides": [],
+    }
+    try:
+        config = ModelLocalKVSettings.model_validate(settings)
+        collection = collect_model_local_kv_specs(model)
+        result["declarations"] = [declaration_label(owned.owner, owned.spec.name) for owned in collection.specs]
+        collection, unmatched = apply_overrides(collection, parse_overrides(config.overrides))
+        result["unmatched_overrides"] = [o.text for o in unmatched]
+        headroom = _worker_headroom(rank, device, config, sharers) if sample else headroom_override(
+            0, NO_HEADROOM_UNDER_RESERVE)
+        if config.ledger_dir != LEDGER_OFF:
+            result["device"] = device_identity(*device)
+        budget = budget_worker(collection, headroom, rank=rank, max_num_seqs=configured_max_num_seqs)
+        result["budget"] = budget.model_dump(mode="json")
+    except OverrideError as exc:
+        result["override_error"] = str(exc)
+    except MemorySamplingError as exc:
+        result["error"] = str(exc)
+    except Exception as exc:  # noqa: BLE001 - reported to the engine core, which refuses in one line
+        result["failure"] = f"{type(exc).__name__}: {exc}"
+    result["seconds"] = time.perf_counter() - start
+    return result
+
+
+def _worker_headroom(rank: int, device: tuple[str, int], config: ModelLocalKVSettings, sharers: int) -> Headroom:
+    """The operator's headroom, or this worker's device sampled now."""
+    if config.headroom_bytes is not None:
+        return headroom_override(config.headroom_bytes, "--model-local-kv-headroom (operator override, per worker)")
+    sample = sample_memory(*device)
+    return headroom_from_free(sample.free_bytes, sample.total_bytes, sample.source, config.margin_bytes, sharers)
+
+
+# --- in the engine core -------------------------------------------------------
+
+def checked_results(results: list[dict], policy: Policy) -> list[dict]:
+    """Every worker's result, or the refusal it calls for: a worker that
+    failed (:class:`ModelLocalKVPlanningError`), an override that made a
+    declaration invalid on some rank or matched no declaration on any rank
+    (:class:`ModelLocalKVOverrideError`; tensor-parallel ranks may declare
+    differently, so an override for the last rank's postnet is fine)."""
+    failures = [f"rank {r['rank']}: {r['failure']}" for r in results if r["failure"]]
+    if failures:
+        raise ModelLocalKVPlanningError(failures, policy)
+    for result in results:
+        if result["override_error"]:
+            raise ModelLocalKVOverrideError(f"rank {result['rank']}: {result['override_error']}")
+    nowhere = set.intersection(*(set(r["unmatched_overrides"]) for r in results))
+    if nowhere:
+        texts = [text for text in results[0]["unmatched_overrides"] if text in nowhere]
+        available = [label for r in results for label in r["declarations"]]
+        raise ModelLocalKVOverrideError(unmatched_message(parse_overrides(texts), available))
+    return results
+
+
+def plan_startup(
+    results: list[dict], settings: ModelLocalKVSettings, configured: int, label: str, vllm_figures: dict,
+    started: float,
+) -> Plan | None:
+    """Plan from every worker's :func:`checked_results`: against the device
+    ledger, the minimum over workers, logged as a table with its timing
+    (from ``started``, a ``perf_counter`` reading) and written to the
+    report file. Raises :class:`ModelLocalKVInfeasibleError` when nothing
+    fits under ``cap``, or when a device could not be measured under
+    ``cap``; under ``warn`` the latter logs and returns None."""
+    errors = [f"rank {r['rank']}: {r['error']}" for r in results if r["error"]]
+    if errors:
+        message = (
+            "kv-budget could not measure device memory (" + "; ".join(errors) + "); "
+            "pass --model-local-kv-headroom SIZE to plan against an explicit headroom"
+        )
+        if settings.policy is Policy.CAP:
+            raise ModelLocalKVInfeasibleError(message)
+        logger.warning("%s; policy warn: max_num_seqs left at %d", message, configured)
+        return None
+    workers = [WorkerBudget.model_validate(r["budget"]) for r in results]
+    plan = _plan_on_shared_devices(workers, [r.get("device") for r in results], settings, configured, label)
+    seconds = time.perf_counter() - started
+    _log_vllm(vllm_figures)
+    for line in render_plan_table(plan).splitlines():
+        logger.info("%s", line)
+    logger.info("kv-budget: collect + sample + plan took %.3f s over %d worker(s)", seconds, len(workers))
+    if settings.report_path:
+        write_report(settings.report_path, {**plan.model_dump(mode="json"), "plugin_seconds": seconds,
+                                            "worker_seconds": [r["seconds"] for r in results]}, vllm_figures)
+    if plan.decision is Decision.INFEASIBLE:
+        raise ModelLocalKVInfeasibleError(infeasible_message(plan))
+    return plan
+
+
+def report_reserve(plan: ReservePlan, binding: WorkerBudget, settings: ModelLocalKVSettings, seconds: float,
+                   vllm_figures: dict) -> None:
+    """Policy ``reserve``'s plan in the log (a table, with its timing) and
+    in the report file, in the fields a ``cap`` report has."""
+    _log_vllm(vllm_figures)
+    for line in render_reserve_table(plan, binding).splitlines():
+        logger.info("%s", line)
+    logger.info("kv-budget: collect + reserve took %.3f s over %d worker(s)", seconds, len(plan.reservations))
+    if not settings.report_path:
+        return
+    report = {
+        "policy": Policy.RESERVE.value,
+        "decision": "reserved" if plan.feasible else "infeasible",
+        "configured_max_num_seqs": plan.max_num_seqs,
+        "effective_max_num_seqs": plan.max_num_seqs,
+        "charged_bytes": binding.charged_bytes,
+        "uncharged_fixed_bytes": binding.uncharged_fixed_bytes,
+        "per_seq_bytes": binding.per_seq_bytes,
+        "predicted_peak_bytes": plan.reserved_bytes,
+        "declarations": [line.model_dump(mode="json") for line in binding.declarations],
+        "failures": [failure.model_dump(mode="json") for failure in binding.failures],
+        **plan.model_dump(mode="json"),
+        "plugin_seconds": seconds,
+    }
+    write_report(settings.report_path, report, vllm_figures)
+
+
+def _log_vllm(vllm_figures: dict) -> None:
+    logger.info("kv-budget: vLLM %s (%s, support: %s)", vllm_figures["vllm_version"],
+                vllm_figures["vllm_distribution"], vllm_figures["vllm_support"])
+
+
+def engine_label(pid: int, model: str) -> str:
+    """How an engine is named in the device ledger."""
+    return f"pid {pid}: model {model}"
+
+
+def ledger_directory(settings: ModelLocalKVSettings) -> Path:
+    return Path(settings.ledger_dir) if settings.ledger_dir else default_ledger_dir()
+
+
+def _plan_on_shared_devices(
+    workers: list[WorkerBudget], devices: list[str | None], settings: ModelLocalKVSettings, configured: int,
+    label: str,
+) -> Plan:
+    """Plan against the device ledger: under its lock, take off each
+    worker's headroom what other live engines reserved on its device (and
+    cap it at the operator's share), plan, and record this engine's
+    predicted peak per device, so an engine that plans later cannot count
+    the same bytes. Workers that share one device (the CPU build's host)
+    split the others' reservations and the share between them, as they
+    split the headroom. With the ledger off, only the share applies."""
+    if settings.ledger_dir == LEDGER_OFF:
+        if settings.share_bytes is not None:
+            workers = [shared_budget(w, 0, "", settings.share_bytes) for w in workers]
+        return make_plan(workers, configured, settings.policy)
+    directory = ledger_directory(settings)
+    keys = [device or "" for device in devices]
+    per_device = Counter(keys)
+    with open_ledger(directory, keys) as ledger:
+        shared = []
+        for worker, device in zip(workers, keys):
+            others = ledger.others(device)
+            named = ", ".join(f"{o.engine}: {o.reserved_bytes:,} B" for o in others)
+            share = None if settings.share_bytes is None else settings.share_bytes // per_device[device]
+            taken = sum(o.reserved_bytes for o in others) // per_device[device]
+            shared.append(shared_budget(worker, taken, named, share))
+        plan = make_plan(shared, configured, settings.policy)
+        others_lines = [
+            ReservationLine(device=o.device, engine=o.engine, pid=o.pid, reserved_bytes=o.reserved_bytes)
+            for device in per_device for o in ledger.others(device)
+        ]
+        recorded = []
+        if plan.decision is not Decision.INFEASIBLE:
+            for device in per_device:
+                peak = sum(
+                    w.uncharged_fixed_bytes + w.per_seq_bytes * plan.effective_max_num_seqs
+                    for w, key in zip(shared, keys) if key == device
+                )
+                mine = ledger.record(device, label, peak)
+                recorded.append(ReservationLine(device=device, engine=label, pid=mine.pid, reserved_bytes=peak))
+    return plan.model_copy(
+        update={"ledger": LedgerLine(directory=str(directory), others=others_lines, recorded=recorded)}
+    )
+
+
+def record_in_ledger(settings: ModelLocalKVSettings, devices: list[str | None], reserved: list[int],
+                     label: str) -> None:
+    """Record bytes this engine will hold per device (policy ``reserve``:
+    other engines on the device sample free memory that does not hold them
+    yet), as ``cap`` records its predicted peak."""
+    if settings.ledger_dir == LEDGER_OFF:
+        return
+    by_device: dict[str, int] = {}
+    for device, size in zip(devices, reserved):
+        by_device[device or ""] = by_device.get(device or "", 0) + size
+    with open_ledger(ledger_directory(settings), list(by_device)) as ledger:
+        for device, size in by_device.items():
+            ledger.record(device, label, size)
+
+
+def write_report(path: str, report: dict, vllm_figures: dict) -> bool:
+    """Write a startup report (``cap``/``warn`` or ``reserve``) with the vLLM
+    it ran on (``vllm_figures``: version, distribution, support); return
+    whether it was written. A path that cannot be written logs one warning
+    and the engine starts: the plan the report would hold is in the log
+    already, and the protection does not depend on the file (failing the
+    start over a report path took a protected server down)."""
+    target = Path(path)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps({**report, **vllm_figures}, indent=2))
+    except OSError as exc:
+        logger.warning("kv-budget: cannot write the startup plan to %s (%s: %s); the plan is in this log",
+                       path, type(exc).__name__, exc)
+        return False
+    logger.info("kv-budget: startup plan written to %s", path)
+    return True

@@ -1,0 +1,105 @@
+"""The layout follows the data flow, and the product stands alone.
+
+kv-budget's core runs declare -> collect -> override -> settings -> sample
+-> ledger -> plan -> watch -> report; the entry points (the offline audit,
+the startup call, the command) sit on top, and the vLLM glue on top of
+them. A module imports only its own step or earlier ones: one that must
+reach back against the flow sits in the wrong place. Only the glue imports
+vLLM; nothing installed imports the demo, the peers' code or the tests;
+no ``_private`` name crosses a module boundary. Read from the source
+(imports inside functions count), so the test needs no vLLM.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "kv_budget"
+
+FLOW = (
+    ("kv_budget.units",),
+    ("kv_budget.declare",),
+    ("kv_budget.collect",),
+    ("kv_budget",),  # the package itself: the declaring surface, from declare and collect
+    ("kv_budget.override",),
+    ("kv_budget.settings",),
+    ("kv_budget.sample",),
+    ("kv_budget.ledger",),
+    ("kv_budget.plan",),
+    ("kv_budget.watch",),
+    ("kv_budget.report",),
+    ("kv_budget.audit", "kv_budget.startup", "kv_budget.cli"),
+    ("kv_budget.vllm",),
+)
+"""The steps in order; a module belongs to the longest prefix that names it."""
+
+GLUE = "kv_budget.vllm"
+NOT_THE_PRODUCT = ("kv_budget_demo", "peers", "tests", "engine_support", "benchmarks")
+
+
+def step_of(module: str) -> int:
+    matches = [(len(prefix), index) for index, step in enumerate(FLOW) for prefix in step
+               if module == prefix or module.startswith(prefix + ".")]
+    assert matches, f"{module} is in no step of FLOW: add it where the flow puts it"
+    return max(matches)[1]
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path) -> list[tuple[str, list[str], int]]:
+    """(module imported, names taken from it, line) for every import, relative ones resolved."""
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.extend((alias.name, [], node.lineno) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            module = ".".join([*base, node.module] if node.module else base)
+            found.append((module, [alias.name for alias in node.names], node.lineno))
+    return found
+
+
+MODULES = sorted(PACKAGE.rglob("*.py"))
+
+
+def test_the_layout_is_read_from_every_module():
+    names = {module_name(path) for path in MODULES}
+    assert {"kv_budget.declare.spec", "kv_budget.collect.model", "kv_budget.plan.planner", "kv_budget.vllm.startup_hook",
+            "kv_budget.watch.live", "kv_budget.startup"} <= names
+
+
+@pytest.mark.parametrize("path", MODULES, ids=module_name)
+def test_a_module_imports_only_its_own_step_or_earlier_ones(path):
+    here = module_name(path)
+    against = [
+        f"line {line}: {module} ({FLOW[step_of(module)][0]}) is later in the flow than {FLOW[step_of(here)][0]}"
+        for module, _, line in imports_of(path)
+        if module.split(".")[0] == "kv_budget" and step_of(module) > step_of(here)
+    ]
+    assert not against, f"{here}: " + "; ".join(against)
+
+
+@pytest.mark.parametrize("path", MODULES, ids=module_name)
+def test_only_the_glue_imports_vllm_and_nothing_imports_what_is_not_installed(path):
+    here = module_name(path)
+    for module, _, line in imports_of(path):
+        top = module.split(".")[0]
+        if top in ("vllm", "vllm_omni"):
+            assert here == GLUE or here.startswith(GLUE + "."), f"{here} line {line} imports {module}"
+        assert top not in NOT_THE_PRODUCT, f"{here} line {line} imports {module}, which is not installed"
+
+
+@pytest.mark.parametrize("path", MODULES, ids=module_name)
+def test_no_private_name_crosses_a_module_boundary(path):
+    here = module_name(path)
+    crossing = [f"line {line}: {name} from {module}" for module, names, line in imports_of(path)
+                if module.split(".")[0] == "kv_budget" and module != here
+                for name in names if name.startswith("_") and not name.startswith("__")]
+    assert not crossing, f"{here}: " + "; ".join(crossing)

@@ -1,0 +1,87 @@
+"""The core's startup calls (:mod:`kv_budget.startup`) without vLLM: a
+worker's budget of a loaded model, the refusals, the plan and its report.
+Engines sharing the device ledger are separate processes: the engine tests
+(``test_engine_ledger.py``) and ``test_ledger.py`` cover it."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from kv_budget.declare.spec import ModelLocalKVSpec
+from kv_budget.plan.planner import Decision
+from kv_budget.settings import ModelLocalKVSettings, Policy
+from kv_budget.startup import (
+    ModelLocalKVInfeasibleError,
+    ModelLocalKVOverrideError,
+    ModelLocalKVPlanningError,
+    budget_loaded_model,
+    checked_results,
+    plan_startup,
+)
+
+ROW = 2 * 64 * 4 * 100  # K and V, head_dim 64, fp32, 100 positions
+VLLM = {"vllm_version": "0.0.test", "vllm_distribution": "none", "vllm_support": "untested"}
+
+
+class Talker(torch.nn.Module):
+    def model_local_kv_specs(self):
+        return [ModelLocalKVSpec(name="kv", layers=1, kv_heads=1, head_dim=64, dtype=torch.float32,
+                                 physical_capacity_positions=100, capacity_source="test", scope="request",
+                                 rows="max_num_seqs")]
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.talker = Talker()
+
+
+def worker_result(rank=0, **settings):
+    config = ModelLocalKVSettings(**{"headroom_bytes": 10 * ROW, "ledger_dir": "off", **settings})
+    return budget_loaded_model(Model(), rank, ("cpu", 0), config.model_dump(mode="json"), 256, 1)
+
+
+def test_a_worker_budgets_its_loaded_model_against_the_operators_headroom():
+    result = worker_result()
+    assert (result["failure"], result["error"], result["override_error"]) == (None, None, None)
+    assert result["declarations"] == ["talker/kv"]
+    assert result["budget"]["per_seq_bytes"] == ROW and result["budget"]["headroom"]["bytes"] == 10 * ROW
+
+
+def test_the_plan_caps_at_what_fits_logs_its_table_and_writes_the_report(tmp_path, caplog):
+    settings = ModelLocalKVSettings(headroom_bytes=10 * ROW, ledger_dir="off", report_path=str(tmp_path / "p.json"))
+    results = checked_results([worker_result()], settings.policy)
+    with caplog.at_level(logging.INFO, logger="vllm.kv_budget"):
+        plan = plan_startup(results, settings, 256, "pid 1: model m", VLLM, started=0.0)
+    assert (plan.decision, plan.effective_max_num_seqs) == (Decision.CAPPED, 10)
+    assert "kv-budget: vLLM 0.0.test (none, support: untested)" in caplog.text
+    report = json.loads((tmp_path / "p.json").read_text())
+    assert (report["effective_max_num_seqs"], report["vllm_version"]) == (10, "0.0.test")
+
+
+def test_nothing_fits_under_cap_refuses():
+    settings = ModelLocalKVSettings(headroom_bytes=ROW - 1, ledger_dir="off")
+    results = [worker_result(headroom_bytes=ROW - 1)]
+    with pytest.raises(ModelLocalKVInfeasibleError):
+        plan_startup(checked_results(results, settings.policy), settings, 256, "e", VLLM, started=0.0)
+
+
+def test_an_override_that_matches_nothing_or_a_failed_worker_refuses_naming_it():
+    unmatched = worker_result(overrides=("talker/nope:rows_fixed=2",))
+    with pytest.raises(ModelLocalKVOverrideError, match="talker/nope"):
+        checked_results([unmatched], Policy.CAP)
+    failed = {**worker_result(), "failure": "RuntimeError: boom"}
+    with pytest.raises(ModelLocalKVPlanningError, match="rank 0: RuntimeError: boom"):
+        checked_results([failed], Policy.WARN)
+
+
+def test_an_unmeasured_device_refuses_under_cap_and_leaves_the_engine_alone_under_warn():
+    results = [{**worker_result(), "error": "no memory figure"}]
+    with pytest.raises(ModelLocalKVInfeasibleError, match="--model-local-kv-headroom SIZE"):
+        plan_startup(results, ModelLocalKVSettings(ledger_dir="off"), 256, "e", VLLM, started=0.0)
+    assert plan_startup(results, ModelLocalKVSettings(policy="warn", ledger_dir="off"), 256, "e", VLLM,
+                        started=0.0) is None
