@@ -33,7 +33,7 @@ nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv
 PY=python3
 if ! $PY -c "import vllm" 2>/dev/null; then
     $PY -m venv --system-site-packages .venv-gpu && PY=.venv-gpu/bin/python
-    if timeout 300 $PY -m pip install -q -e '.[cuda,test]' >"$OUT_DIR/pip.log" 2>&1; then
+    if timeout 300 $PY -m pip install -q -e '.[cuda,test]' -e ./demo >"$OUT_DIR/pip.log" 2>&1; then
         echo "[gpu-check] installed kv-budget[cuda] into .venv-gpu"
     else
         echo "[gpu-check] pip could not install vllm (offline?): see $OUT_DIR/pip.log; installing kv-budget alone"
@@ -41,6 +41,11 @@ if ! $PY -c "import vllm" 2>/dev/null; then
             || export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
     fi
 fi
+# The demo is a distribution of its own (demo/): its vLLM plugin registers
+# the demo architecture, so it must be installed, not only importable.
+$PY -c "import kv_budget_demo" 2>/dev/null \
+    || $PY -m pip install -q --no-deps --no-build-isolation -e . -e ./demo >>"$OUT_DIR/pip.log" 2>&1 \
+    || echo "[gpu-check] could not install the demo (demo/): see $OUT_DIR/pip.log"
 $PY -c "import torch, transformers, pydantic, pynvml, psutil; print('[gpu-check] torch', torch.__version__, 'transformers', transformers.__version__)"
 
 echo "[gpu-check] step 1: NVML and CUDA caches"
@@ -55,7 +60,7 @@ if $PY -c "import vllm" 2>/dev/null; then
     $PY -c "from kv_budget.vllm.compat import check_vllm; print('[gpu-check]', check_vllm())" 2>&1 \
         | grep '^\[gpu-check\]\|Error' | tee "$OUT_DIR/vllm-version.log"
     echo "[gpu-check] step 2: demo with NVML-measured headroom"
-    if timeout 420 $PY -m kv_budget_demo.demo --out "$OUT_DIR/demo" --talker-positions 32768 2>&1 | tee "$OUT_DIR/step2.log"; then
+    if timeout 420 $PY -m kv_budget_demo --out "$OUT_DIR/demo" --talker-positions 32768 2>&1 | tee "$OUT_DIR/step2.log"; then
         step2=PASS
     else
         step2=FAIL

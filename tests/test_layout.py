@@ -7,12 +7,17 @@ them. A module imports only its own step or earlier ones: one that must
 reach back against the flow sits in the wrong place. Only the glue imports
 vLLM; nothing installed imports the demo, the peers' code or the tests;
 no ``_private`` name crosses a module boundary. Read from the source
-(imports inside functions count), so the test needs no vLLM.
+(imports inside functions count), so the test needs no vLLM. The wheel,
+built from a copy of the checkout, holds kv_budget/ only.
 """
 
 from __future__ import annotations
 
 import ast
+import shutil
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -103,3 +108,27 @@ def test_no_private_name_crosses_a_module_boundary(path):
                 if module.split(".")[0] == "kv_budget" and module != here
                 for name in names if name.startswith("_") and not name.startswith("__")]
     assert not crossing, f"{here}: " + "; ".join(crossing)
+
+
+def test_the_wheel_carries_the_product_only(tmp_path):
+    """``pip wheel --no-deps .`` holds kv_budget/ (core, glue, command) and
+    its plugin entry point; the demo and peers/ stay in the checkout."""
+    root = PACKAGE.parent
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "setup.cfg", "README.md"):
+        shutil.copy(root / name, source / name)
+    for name in ("kv_budget", "demo", "peers"):
+        shutil.copytree(root / name, source / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(source),
+         "-w", str(tmp_path / "wheel")], capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-2000:]
+    (wheel,) = (tmp_path / "wheel").glob("kv_budget-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {name.split("/")[0] for name in names}
+    assert tops == {"kv_budget", next(top for top in tops if top.endswith(".dist-info"))}
+    assert {"kv_budget/vllm/__init__.py", "kv_budget/cli.py", "kv_budget/startup.py"} <= set(names)
+    entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
+    assert "kv_budget = kv_budget.vllm:register" in entry_points and "kv-budget = kv_budget.cli:main" in entry_points
+    assert "kv_budget_demo" not in entry_points and "stat_logger_plugins" not in entry_points

@@ -31,7 +31,7 @@ from kv_budget.report import reserve_infeasible_message
 from kv_budget.settings import ModelLocalKVSettings, Policy, settings_from_additional_config
 from kv_budget.startup import ModelLocalKVInfeasibleError, record_in_ledger, report_reserve
 from kv_budget.vllm.patching import patch_method
-from kv_budget.vllm.startup_hook import collect_budgets, this_engine, vllm_figures
+from kv_budget.vllm.workers import collect_budgets, this_engine, vllm_figures
 
 logger = logging.getLogger("vllm.kv_budget")
 

@@ -1,0 +1,56 @@
+"""What the engine core asks of its workers and of vLLM, for both startup
+hooks (``cap`` in :mod:`.startup_hook`, ``reserve`` in :mod:`.pool_hook`).
+
+Every worker's budget comes through ``collective_rpc`` (checked by
+``compat.check_vllm``: ``EngineCore.collective_rpc`` and
+``Executor.collective_rpc`` take ``args``); the worker side unpacks its
+model, rank and device and calls the core
+(:func:`kv_budget.startup.budget_loaded_model`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from kv_budget.settings import ModelLocalKVSettings
+from kv_budget.startup import budget_loaded_model, checked_results, engine_label
+from kv_budget.vllm.compat import checked_vllm
+
+
+def budget_on_worker(worker: Any, settings: dict, configured_max_num_seqs: int, sharers: int,
+                     sample: bool = True) -> dict:
+    """Runs in every worker (``collective_rpc``):
+    :func:`kv_budget.startup.budget_loaded_model` on its model and device."""
+    device = worker.device
+    return budget_loaded_model(worker.model_runner.model, worker.rank, (device.type, device.index or 0), settings,
+                               configured_max_num_seqs, sharers, sample)
+
+
+def _workers_sharing_memory(vllm_config: Any) -> int:
+    """On vLLM's CPU build every worker allocates from the same host RAM;
+    on a GPU each worker has its own device."""
+    from vllm.platforms import current_platform
+
+    return vllm_config.parallel_config.world_size if current_platform.is_cpu() else 1
+
+
+def vllm_figures() -> dict:
+    """The vLLM a plan ran on, for its log line and report file."""
+    vllm = checked_vllm()
+    return {"vllm_version": vllm.version, "vllm_distribution": vllm.distribution, "vllm_support": vllm.support}
+
+
+def this_engine(vllm_config: Any) -> str:
+    """This engine's name in the device ledger."""
+    return engine_label(os.getpid(), str(vllm_config.model_config.model))
+
+
+def collect_budgets(core: Any, vllm_config: Any, settings: ModelLocalKVSettings, sample: bool = True) -> list[dict]:
+    """Every worker's budget (``budget_on_worker``), failures and overrides checked."""
+    results = core.collective_rpc(
+        budget_on_worker,
+        args=(settings.model_dump(mode="json"), vllm_config.scheduler_config.max_num_seqs,
+              _workers_sharing_memory(vllm_config), sample),
+    )
+    return checked_results(results, settings.policy)
