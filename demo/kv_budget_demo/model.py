@@ -229,7 +229,10 @@ class KvBudgetDemoForCausalLM(Qwen2ForCausalLM):
                              "write it with `python -m kv_budget_demo.checkpoint DIR`")
         self.talker = Talker(settings, get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size())
 
-    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **runner_kwargs):
+        # vLLM-Omni's AR model runner also passes sampling_metadata,
+        # logits_index and sampler (and its stage kwargs); this model samples
+        # as a plain vLLM model does and ignores them. Plain vLLM passes none.
         self.talker.step(positions.device)
         return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds)
 
