@@ -72,8 +72,8 @@ import msgspec
 from vllm.v1.engine import EngineCoreReadyResponse
 from vllm.v1.metrics.loggers import StatLoggerBase
 
-from kv_budget.vllm.compat import checked_vllm
 from kv_budget.vllm.patching import patch_method
+from kv_budget.vllm.startup_hook import lower_max_num_seqs
 from kv_budget.watch.metrics import METRICS, status_samples
 from kv_budget.watch.status import STATUS_DIR_ENV, read_status, status_path
 
@@ -96,17 +96,9 @@ def lower_frontend_max_num_seqs(vllm_config: Any, engine_max_num_seqs: int, engi
     """Lower the frontend's ``max_num_seqs`` (and ``max_num_active_seqs``,
     where it exists and is larger) to an engine's; never raise it. Returns
     what changed, as ``"field old -> new"``, empty when nothing did."""
-    scheduler_config = vllm_config.scheduler_config
-    current = scheduler_config.max_num_seqs
-    if engine_max_num_seqs >= current:
+    applied = lower_max_num_seqs(vllm_config.scheduler_config, engine_max_num_seqs)
+    if not applied:
         return []
-    scheduler_config.max_num_seqs = engine_max_num_seqs
-    applied = [f"max_num_seqs {current} -> {engine_max_num_seqs}"]
-    if checked_vllm().features.max_num_active_seqs:
-        active = scheduler_config.max_num_active_seqs
-        if active is not None and active > engine_max_num_seqs:
-            scheduler_config.max_num_active_seqs = engine_max_num_seqs
-            applied.append(f"max_num_active_seqs {active} -> {engine_max_num_seqs}")
     logger.info("kv-budget: frontend %s (engine %d's ready response)", "; ".join(applied), engine_index)
     return applied
 

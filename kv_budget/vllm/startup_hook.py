@@ -85,19 +85,30 @@ def plan_after_kv_caches(core: Any, vllm_config: Any) -> Plan | None:
     return plan
 
 
+def lower_max_num_seqs(scheduler_config: Any, limit: int) -> list[str]:
+    """Lower ``max_num_seqs`` to ``limit``, and ``max_num_active_seqs``
+    where the vLLM has it and it is larger (vLLM checks
+    ``max_num_active_seqs <= max_num_seqs`` only when the config is built);
+    never raise either. Returns what changed, as ``"field old -> new"``,
+    empty when nothing did. The engine core's cap and the frontend's copy
+    of it both go through here."""
+    current = scheduler_config.max_num_seqs
+    if limit >= current:
+        return []
+    scheduler_config.max_num_seqs = limit
+    applied = [f"max_num_seqs {current} -> {limit}"]
+    if checked_vllm().features.max_num_active_seqs:
+        active = scheduler_config.max_num_active_seqs
+        if active is not None and active > limit:
+            scheduler_config.max_num_active_seqs = limit
+            applied.append(f"max_num_active_seqs {active} -> {limit}")
+    return applied
+
+
 def _apply_cap(scheduler_config: Any, plan: Plan) -> None:
-    """Lower ``max_num_seqs`` (and ``max_num_active_seqs`` where it is
-    larger) to the plan's, for the Scheduler built next to confirm."""
-    configured = scheduler_config.max_num_seqs
-    applied = [f"max_num_seqs {configured} -> {plan.effective_max_num_seqs}"]
-    scheduler_config.max_num_seqs = plan.effective_max_num_seqs
+    """Lower the config to the plan's cap, for the Scheduler built next to confirm."""
+    applied = lower_max_num_seqs(scheduler_config, plan.effective_max_num_seqs)
     _caps_awaiting_scheduler[id(scheduler_config)] = plan.effective_max_num_seqs
-    # vLLM checks max_num_active_seqs <= max_num_seqs only when the
-    # config is built; keep it true for the Scheduler built next.
-    active = scheduler_config.max_num_active_seqs if checked_vllm().features.max_num_active_seqs else None
-    if active is not None and active > plan.effective_max_num_seqs:
-        scheduler_config.max_num_active_seqs = plan.effective_max_num_seqs
-        applied.append(f"max_num_active_seqs {active} -> {plan.effective_max_num_seqs}")
     logger.warning("%s", summary_line(plan))
     logger.info("kv-budget: scheduler_config %s", "; ".join(applied))
 
