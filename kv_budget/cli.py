@@ -27,6 +27,7 @@ from pathlib import Path
 from kv_budget.collect.model import Collection
 from kv_budget.collect.presets import PRESETS, preset_collection
 from kv_budget.collect.specfile import SpecFileError, load_spec_file
+from kv_budget.collect.supplied import SuppliedDeclarationsError, supplied_collection, supplied_source
 from kv_budget.override import OverrideError, apply_overrides, declaration_label, parse_overrides, unmatched_message
 from kv_budget.plan.deploy import StageDeclarations, plan_deploy
 from kv_budget.plan.deploy_file import DeployError, load_deploy
@@ -321,16 +322,9 @@ def _stage_declarations(texts: list[str]) -> dict[int, StageDeclarations]:
             raise _BadInput(f"--stage-declarations {text!r}: stage {key!r} is not a stage_id (an integer)") from None
         if stage in found:
             raise _BadInput(f"--stage-declarations {text!r}: stage {stage} is given twice")
-        if value in PRESETS:
-            found[stage] = StageDeclarations(stage, f"preset {value}", preset_collection(value))
-            continue
-        if not Path(value).is_file():
-            raise _BadInput(
-                f"--stage-declarations {text!r}: {value!r} is neither a preset ({', '.join(PRESETS)}) nor a file"
-            )
         try:
-            found[stage] = StageDeclarations(stage, f"spec file {value}", load_spec_file(value))
-        except SpecFileError as exc:
+            found[stage] = StageDeclarations(stage, supplied_source(value), supplied_collection(value))
+        except SuppliedDeclarationsError as exc:
             raise _BadInput(f"--stage-declarations {text!r}: {exc}") from None
     return found
 

@@ -13,6 +13,10 @@ one field::
     thinker.apm/whisper_encoder_self_attn:rows_fixed=4
 
 ``OWNER`` is empty or ``<root>`` for a declaration made by the root module.
+In a vLLM-Omni deployment an override may name its stage first,
+``STAGE:OWNER/NAME:FIELD=VALUE`` (``1:decoder/codec_decoder_request:...``):
+it applies in that stage only. An unqualified one applies in every stage
+that has the declaration.
 Overrides apply in the order given; the corrected declaration is validated
 again (``rows=fixed`` still needs ``rows_fixed`` and ``rows_reason``), and
 every overridden field keeps its declared value beside the applied one, so
@@ -26,6 +30,7 @@ Entry points: :func:`parse_override`, :func:`apply_overrides`.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +48,7 @@ __all__ = [
     "ROOT_OWNER",
     "parse_override",
     "parse_overrides",
+    "overrides_for_stage",
     "apply_overrides",
     "unmatched_message",
     "declaration_label",
@@ -54,6 +60,11 @@ ROOT_OWNER = "<root>"
 
 class OverrideError(ValueError):
     """An override that cannot be read or applied; the message names it."""
+
+
+_STAGE_PREFIX = re.compile(r"^\s*(\d+)\s*:(.*)$", re.DOTALL)
+"""``STAGE:`` before an override. An owner path never starts with digits
+and a colon (``0/name`` is a root ModuleList child, with a slash)."""
 
 
 def _positive_int(text: str) -> int:
@@ -98,7 +109,7 @@ declaration is found. ``allocation_note`` is not: it changes no byte."""
 
 @dataclass(frozen=True)
 class Override:
-    """One parsed ``OWNER/NAME:FIELD=VALUE``."""
+    """One parsed ``[STAGE:]OWNER/NAME:FIELD=VALUE``."""
 
     owner: str
     """Collector path; "" for the root."""
@@ -107,15 +118,20 @@ class Override:
     value: Any
     text: str
     """As the operator wrote it, for messages."""
+    stage: int | None = None
+    """The vLLM-Omni stage it is for; None: every stage that has the declaration."""
 
 
 def parse_override(text: Any) -> Override:
     """Read ``OWNER/NAME:FIELD=VALUE``; raise :class:`OverrideError` saying
     which part is wrong and what was expected."""
-    expected = "expected OWNER/NAME:FIELD=VALUE, e.g. decoder/codec_decoder_request:physical_capacity_positions=72"
+    expected = ("expected [STAGE:]OWNER/NAME:FIELD=VALUE, "
+                "e.g. decoder/codec_decoder_request:physical_capacity_positions=72")
     if not isinstance(text, str):
         raise OverrideError(f"override {text!r} is not a string; {expected}")
-    target, colon, assignment = text.partition(":")
+    qualified = _STAGE_PREFIX.match(text)
+    stage = int(qualified.group(1)) if qualified else None
+    target, colon, assignment = (qualified.group(2) if qualified else text).partition(":")
     field, equals, raw = assignment.partition("=")
     owner, slash, name = target.rpartition("/")
     if not (colon and equals and slash) or not name.strip():
@@ -131,12 +147,27 @@ def parse_override(text: Any) -> Override:
     except ValueError as exc:
         raise OverrideError(f"override {text!r}: {field}: {exc}") from None
     return Override(
-        owner="" if owner == ROOT_OWNER else owner, name=name.strip(), field=field, value=value, text=text
+        owner="" if owner == ROOT_OWNER else owner, name=name.strip(), field=field, value=value, text=text, stage=stage
     )
 
 
 def parse_overrides(texts: Iterable[Any]) -> list[Override]:
     return [parse_override(text) for text in texts]
+
+
+def overrides_for_stage(overrides: Sequence[Override], stage_id: int | None) -> list[Override]:
+    """The overrides that apply in stage ``stage_id`` (unqualified ones and
+    its own). Outside vLLM-Omni (``stage_id`` None) a stage-qualified
+    override raises: there is no stage for it to apply to."""
+    if stage_id is None:
+        qualified = [o.text for o in overrides if o.stage is not None]
+        if qualified:
+            raise OverrideError(
+                f"override(s) {', '.join(map(repr, qualified))} name a vLLM-Omni stage, but this engine is not a "
+                "vLLM-Omni stage; drop the STAGE: prefix"
+            )
+        return list(overrides)
+    return [o for o in overrides if o.stage is None or o.stage == stage_id]
 
 
 def declaration_label(owner: str, name: str) -> str:
@@ -165,7 +196,7 @@ def _apply_to(owned: OwnedSpec, overrides: Sequence[Override]) -> OwnedSpec:
     except InvalidDeclarationError as exc:
         texts = ", ".join(o.text for o in overrides)
         raise OverrideError(f"after override(s) {texts}: {exc}") from None
-    return OwnedSpec(owned.owner, corrected, tuple(changes.values()))
+    return dataclasses.replace(owned, spec=corrected, overridden=tuple(changes.values()))
 
 
 def apply_overrides(collection: Collection, overrides: Sequence[Override]) -> tuple[Collection, list[Override]]:

@@ -68,6 +68,8 @@ def _declaration_lines(declarations: list[DeclarationLine], failures: list[Failu
             f"({d.capacity_source}) x {d.dtype_bytes} B {d.dtype} = {format_bytes(d.bytes_per_row)} per row; "
             f"scope {d.scope.value}, rows {rows} -> {format_bytes(d.peak_bytes)} [{d.charge.value}]"
         )
+        if d.supplied_by:
+            lines.append(f"      supplied by the operator ({d.supplied_by}), not declared by the model")
         for o in d.overrides:
             lines.append(f"      overridden by the operator: {o.field} declared {o.declared} -> applied {o.applied}")
     for f in failures:

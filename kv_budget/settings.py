@@ -19,6 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from kv_budget.collect.supplied import SuppliedDeclarationsError, supplied_source
 from kv_budget.override import OverrideError, parse_overrides
 from kv_budget.units import byte_size_argument, parse_byte_size, seconds_argument
 
@@ -97,9 +98,13 @@ class ModelLocalKVSettings(BaseModel):
     (:mod:`kv_budget.watch.live`); 0 turns live sampling off."""
 
     overrides: tuple[str, ...] = ()
-    """Operator corrections ``OWNER/NAME:FIELD=VALUE`` (:mod:`kv_budget.override`),
+    """Operator corrections ``[STAGE:]OWNER/NAME:FIELD=VALUE`` (:mod:`kv_budget.override`),
     applied in order before planning. Kept as text: it crosses process
     boundaries inside ``additional_config``, which must stay JSON."""
+
+    declarations: str | None = None
+    """A preset name or a spec file whose declarations are planned beside
+    the model's own (:mod:`kv_budget.collect.supplied`); None: the model's only."""
 
 
 def _where(key: str) -> str:
@@ -134,9 +139,19 @@ def _read_seconds(key: str, value: Any) -> float:
     return float(value)
 
 
+def _read_declarations(key: str, value: Any) -> str:
+    text = _text_reader("a preset name or a spec file path")(key, value)
+    try:
+        supplied_source(text)
+    except SuppliedDeclarationsError as exc:
+        raise ValueError(f"{_where(key)}: {exc}") from None
+    return text
+
+
 def _read_overrides(key: str, value: Any) -> tuple[str, ...]:
     if not isinstance(value, (list, tuple)):
-        raise ValueError(f"{_where(key)} = {value!r} is invalid: expected a list of OWNER/NAME:FIELD=VALUE strings")
+        raise ValueError(
+            f"{_where(key)} = {value!r} is invalid: expected a list of [STAGE:]OWNER/NAME:FIELD=VALUE strings")
     try:
         parse_overrides(value)
     except OverrideError as exc:
@@ -209,9 +224,16 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "overrides", "--model-local-kv-override", "OWNER/NAME:FIELD=VALUE",
         "Correct one field of one declaration before planning, e.g. "
-        "decoder/codec_decoder_request:physical_capacity_positions=72. Repeatable; applied in order "
-        "after any overrides in --additional-config. An override that matches no declaration is an error.",
+        "decoder/codec_decoder_request:physical_capacity_positions=72; in vLLM-Omni, STAGE: first applies it "
+        "to that stage only (1:decoder/...). Repeatable; applied in order after any overrides in "
+        "--additional-config. An override that matches no declaration (in any stage) is an error.",
         _read_overrides, repeatable=True,
+    ),
+    Setting(
+        "declarations", "--model-local-kv-declarations", "PRESET_OR_SPEC_FILE",
+        "Plan the declarations of a preset (kv-budget plan --list-presets) or a JSON spec file beside the "
+        "model's own, marked operator-supplied: for a model that holds caches it does not declare.",
+        _read_declarations,
     ),
 )
 """Every setting, in the order ``--help`` and the README's table list them:

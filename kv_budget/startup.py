@@ -28,8 +28,16 @@ from pathlib import Path
 from typing import Any
 
 from kv_budget.collect.model import collect_model_local_kv_specs
+from kv_budget.collect.supplied import SuppliedDeclarationsError, supplied_collection, with_supplied
 from kv_budget.ledger import default_ledger_dir, open_ledger
-from kv_budget.override import OverrideError, apply_overrides, declaration_label, parse_overrides, unmatched_message
+from kv_budget.override import (
+    OverrideError,
+    apply_overrides,
+    declaration_label,
+    overrides_for_stage,
+    parse_overrides,
+    unmatched_message,
+)
 from kv_budget.plan.planner import (
     Decision,
     Headroom,
@@ -47,6 +55,7 @@ from kv_budget.plan.reserve import ReservePlan
 from kv_budget.report import infeasible_message, render_plan_table, render_reserve_table
 from kv_budget.sample.device import MemorySamplingError, device_identity, sample_memory
 from kv_budget.settings import LEDGER_OFF, ModelLocalKVSettings, Policy
+from kv_budget.stage import Stage, stage_file_name
 
 logger = logging.getLogger("vllm.kv_budget")
 """Under vLLM's logger, so the lines carry vLLM's format and level."""
@@ -58,10 +67,12 @@ __all__ = [
     "ModelLocalKVPlanningError",
     "budget_loaded_model",
     "checked_results",
+    "unmatched_on_every_worker",
     "engine_label",
     "ledger_directory",
     "plan_startup",
     "record_in_ledger",
+    "report_file",
     "report_reserve",
     "write_report",
 ]
@@ -85,9 +96,11 @@ class ModelLocalKVPlanningError(ModelLocalKVInfeasibleError):
 
 
 class ModelLocalKVOverrideError(ValueError):
-    """An operator override matches no declaration on any worker, or makes
-    a declaration invalid. Raised under every policy: a correction that
-    silently does nothing leaves the figure it was meant to fix."""
+    """An operator override matches no declaration on any worker (of its
+    stage, when it names one), or makes a declaration invalid; or supplied
+    declarations cannot be read or clash with the model's. Raised under
+    every policy: a correction that silently does nothing leaves the figure
+    it was meant to fix."""
 
 
 NO_HEADROOM_UNDER_RESERVE = "not sampled: policy reserve takes model-local KV out of the paged pool"
@@ -97,11 +110,13 @@ NO_HEADROOM_UNDER_RESERVE = "not sampled: policy reserve takes model-local KV ou
 
 def budget_loaded_model(
     model: Any, rank: int, device: tuple[str, int], settings: dict, configured_max_num_seqs: int, sharers: int,
-    sample: bool = True,
+    sample: bool = True, stage_id: int | None = None,
 ) -> dict:
-    """Collect the loaded model's declarations, apply the operator's
-    overrides, sample the worker's device (unless ``sample`` is False:
-    ``reserve`` needs no headroom), and budget it. A problem is reported in
+    """Collect the loaded model's declarations and the operator's supplied
+    ones, apply the operator's overrides (those for vLLM-Omni stage
+    ``stage_id``; None: a plain vLLM engine), sample the worker's device
+    (unless ``sample`` is False: ``reserve`` needs no headroom), and budget
+    it. A problem is reported in
     ``error`` / ``override_error`` / ``failure`` for :func:`plan_startup` to
     raise, with every rank's figures in hand; this never raises."""
     start = time.perf_counter()
@@ -117,8 +132,11 @@ def budget_loaded_model(
     try:
         config = ModelLocalKVSettings.model_validate(settings)
         collection = collect_model_local_kv_specs(model)
+        if config.declarations:
+            collection = with_supplied(collection, supplied_collection(config.declarations))
         result["declarations"] = [declaration_label(owned.owner, owned.spec.name) for owned in collection.specs]
-        collection, unmatched = apply_overrides(collection, parse_overrides(config.overrides))
+        overrides = overrides_for_stage(parse_overrides(config.overrides), stage_id)
+        collection, unmatched = apply_overrides(collection, overrides)
         result["unmatched_overrides"] = [o.text for o in unmatched]
         headroom = _worker_headroom(rank, device, config, sharers) if sample else headroom_override(
             0, NO_HEADROOM_UNDER_RESERVE)
@@ -126,7 +144,7 @@ def budget_loaded_model(
             result["device"] = device_identity(*device)
         budget = budget_worker(collection, headroom, rank=rank, max_num_seqs=configured_max_num_seqs)
         result["budget"] = budget.model_dump(mode="json")
-    except OverrideError as exc:
+    except (OverrideError, SuppliedDeclarationsError) as exc:
         result["override_error"] = str(exc)
     except MemorySamplingError as exc:
         result["error"] = str(exc)
@@ -146,34 +164,50 @@ def _worker_headroom(rank: int, device: tuple[str, int], config: ModelLocalKVSet
 
 # --- in the engine core -------------------------------------------------------
 
-def checked_results(results: list[dict], policy: Policy) -> list[dict]:
+def checked_results(results: list[dict], policy: Policy, stage: Stage | None = None) -> list[dict]:
     """Every worker's result, or the refusal it calls for: a worker that
     failed (:class:`ModelLocalKVPlanningError`), an override that made a
     declaration invalid on some rank or matched no declaration on any rank
     (:class:`ModelLocalKVOverrideError`; tensor-parallel ranks may declare
-    differently, so an override for the last rank's postnet is fine)."""
+    differently, so an override for the last rank's postnet is fine).
+
+    In vLLM-Omni ``stage``, an override that names this stage and matches
+    nothing is refused here; an unqualified one is the deployment's to
+    judge (another stage may have the declaration): logged, and left in
+    ``unmatched_overrides`` for the driver's check across stages."""
     failures = [f"rank {r['rank']}: {r['failure']}" for r in results if r["failure"]]
     if failures:
         raise ModelLocalKVPlanningError(failures, policy)
     for result in results:
         if result["override_error"]:
             raise ModelLocalKVOverrideError(f"rank {result['rank']}: {result['override_error']}")
-    nowhere = set.intersection(*(set(r["unmatched_overrides"]) for r in results))
-    if nowhere:
-        texts = [text for text in results[0]["unmatched_overrides"] if text in nowhere]
-        available = [label for r in results for label in r["declarations"]]
-        raise ModelLocalKVOverrideError(unmatched_message(parse_overrides(texts), available))
+    texts = unmatched_on_every_worker(results)
+    refused = [o for o in parse_overrides(texts) if stage is None or o.stage is not None]
+    available = [label for r in results for label in r["declarations"]]
+    if refused:
+        where = "" if stage is None else f"{stage.label()}: "
+        raise ModelLocalKVOverrideError(where + unmatched_message(refused, available))
+    if texts:
+        logger.info("kv-budget: override(s) %s match no declaration in %s (declarations: %s); they apply in the "
+                    "stages that have them, and the deployment stops if no stage does",
+                    ", ".join(map(repr, texts)), stage.label(), ", ".join(sorted(set(available))) or "none")
     return results
+
+
+def unmatched_on_every_worker(results: list[dict]) -> list[str]:
+    """The overrides that matched a declaration on no worker, in order."""
+    nowhere = set.intersection(*(set(r["unmatched_overrides"]) for r in results))
+    return [text for text in results[0]["unmatched_overrides"] if text in nowhere]
 
 
 def plan_startup(
     results: list[dict], settings: ModelLocalKVSettings, configured: int, label: str, vllm_figures: dict,
-    started: float,
+    started: float, stage: Stage | None = None,
 ) -> Plan | None:
     """Plan from every worker's :func:`checked_results`: against the device
     ledger, the minimum over workers, logged as a table with its timing
     (from ``started``, a ``perf_counter`` reading) and written to the
-    report file. Raises :class:`ModelLocalKVInfeasibleError` when nothing
+    report file (:func:`report_file`, with ``stage``). Raises :class:`ModelLocalKVInfeasibleError` when nothing
     fits under ``cap``, or when a device could not be measured under
     ``cap``; under ``warn`` the latter logs and returns None."""
     errors = [f"rank {r['rank']}: {r['error']}" for r in results if r["error"]]
@@ -190,19 +224,24 @@ def plan_startup(
     plan = _plan_on_shared_devices(workers, [r.get("device") for r in results], settings, configured, label)
     seconds = time.perf_counter() - started
     _log_vllm(vllm_figures)
-    for line in render_plan_table(plan).splitlines():
-        logger.info("%s", line)
+    if any(worker.declarations or worker.failures for worker in plan.workers):
+        for line in render_plan_table(plan).splitlines():
+            logger.info("%s", line)
+    else:
+        logger.info("kv-budget: the model declares no model-local KV: nothing to plan, max_num_seqs %d stays",
+                    configured)
     logger.info("kv-budget: collect + sample + plan took %.3f s over %d worker(s)", seconds, len(workers))
     if settings.report_path:
-        write_report(settings.report_path, {**plan.model_dump(mode="json"), "plugin_seconds": seconds,
-                                            "worker_seconds": [r["seconds"] for r in results]}, vllm_figures)
+        write_report(report_file(settings, stage), {**plan.model_dump(mode="json"), "plugin_seconds": seconds,
+                                                    "worker_seconds": [r["seconds"] for r in results]},
+                     vllm_figures, stage)
     if plan.decision is Decision.INFEASIBLE:
         raise ModelLocalKVInfeasibleError(infeasible_message(plan))
     return plan
 
 
 def report_reserve(plan: ReservePlan, binding: WorkerBudget, settings: ModelLocalKVSettings, seconds: float,
-                   vllm_figures: dict) -> None:
+                   vllm_figures: dict, stage: Stage | None = None) -> None:
     """Policy ``reserve``'s plan in the log (a table, with its timing) and
     in the report file, in the fields a ``cap`` report has."""
     _log_vllm(vllm_figures)
@@ -225,7 +264,7 @@ def report_reserve(plan: ReservePlan, binding: WorkerBudget, settings: ModelLoca
         **plan.model_dump(mode="json"),
         "plugin_seconds": seconds,
     }
-    write_report(settings.report_path, report, vllm_figures)
+    write_report(report_file(settings, stage), report, vllm_figures, stage)
 
 
 def _log_vllm(vllm_figures: dict) -> None:
@@ -233,9 +272,15 @@ def _log_vllm(vllm_figures: dict) -> None:
                 vllm_figures["vllm_distribution"], vllm_figures["vllm_support"])
 
 
-def engine_label(pid: int, model: str) -> str:
+def engine_label(pid: int, model: str, stage: Stage | None = None) -> str:
     """How an engine is named in the device ledger."""
-    return f"pid {pid}: model {model}"
+    return f"pid {pid}: model {model}" + (f", {stage.label()}" if stage is not None else "")
+
+
+def report_file(settings: ModelLocalKVSettings, stage: Stage | None) -> Path:
+    """Where the startup plan goes: ``report_path``, with the stage's tag
+    in a vLLM-Omni stage (:func:`kv_budget.stage.stage_file_name`)."""
+    return stage_file_name(settings.report_path, stage)
 
 
 def ledger_directory(settings: ModelLocalKVSettings) -> Path:
@@ -302,9 +347,10 @@ def record_in_ledger(settings: ModelLocalKVSettings, devices: list[str | None], 
             ledger.record(device, label, size)
 
 
-def write_report(path: str, report: dict, vllm_figures: dict) -> bool:
+def write_report(path: str | Path, report: dict, vllm_figures: dict, stage: Stage | None = None) -> bool:
     """Write a startup report (``cap``/``warn`` or ``reserve``) with the vLLM
-    it ran on (``vllm_figures``: version, distribution, support); return
+    it ran on (``vllm_figures``: version, distribution, support) and the
+    vLLM-Omni stage (``stage``: null for a plain vLLM engine); return
     whether it was written. A path that cannot be written logs one warning
     and the engine starts: the plan the report would hold is in the log
     already, and the protection does not depend on the file (failing the
@@ -312,7 +358,8 @@ def write_report(path: str, report: dict, vllm_figures: dict) -> bool:
     target = Path(path)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(json.dumps({**report, **vllm_figures}, indent=2))
+        staged = {"stage": stage.model_dump() if stage is not None else None}
+        target.write_text(json.dumps({**report, **vllm_figures, **staged}, indent=2))
     except OSError as exc:
         logger.warning("kv-budget: cannot write the startup plan to %s (%s: %s); the plan is in this log",
                        path, type(exc).__name__, exc)

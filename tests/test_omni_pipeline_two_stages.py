@@ -7,35 +7,65 @@ is test support, not vLLM-Omni code), with the registered pipeline
 its prompt, both stages run the demo model on device 0, so vLLM-Omni starts
 them one after the other under its device-0 init lock.
 
-Each stage gets its own report file through its own ``additional_config``
-in the deploy file; the policy and headroom come from
-``Omni(additional_config=...)``, which vLLM-Omni merges into every LLM
-stage's. One pipeline start for the module.
+One pipeline start, configured through every path an operator has besides
+the flags (tests/test_omni_serve.py has those):
+
+* ``Omni(additional_config={"model_local_kv": ...})``, the deployment-wide
+  settings: policy ``warn``, 96 MiB, one report path, a ledger directory,
+  an unqualified override only stage 1's declarations have;
+* ``Omni(model_local_kv_policy=...)``, a keyword, which wins per key over
+  the global ``additional_config``: policy ``warn`` given twice, margin;
+* stage 1's own ``additional_config`` in the deploy file: 64 MiB, which
+  wins over the global 96 MiB, and operator-supplied declarations from a
+  spec file;
+* ``Omni(stage_overrides=...)`` for stage 0: a stage-qualified override.
 """
 
 from __future__ import annotations
 
+import json
+
 import pytest
-from engine_support import CAP, HEADROOM, PER_SEQ
+from engine_support import HEADROOM, PER_SEQ
 from omni_pipeline_support import MAX_NUM_SEQS, run_pipeline, stage
 
 pytestmark = pytest.mark.omni_pipeline
 
 REQUESTS = 8
 MAX_TOKENS = 8
+STAGE1_HEADROOM = 64 * 2**20
+SUPPLIED = {"owner": "vocoder", "name": "operator_kv", "layers": 1, "kv_heads": 1, "head_dim": 64,
+            "dtype": "float32", "physical_capacity_positions": 128, "capacity_source": "operator spec file",
+            "scope": "invocation", "rows": "max_num_seqs"}
+SUPPLIED_BYTES = 2 * 1 * 1 * 64 * 128 * 4
+"""K and V x layers x kv heads x head_dim x positions x float32: one row."""
+UNQUALIFIED = "vocoder/operator_kv:physical_capacity_positions=256"
+"""Only stage 1 has this declaration (supplied by its spec file)."""
+QUALIFIED = "0:talker/talker_step_kv:physical_capacity_positions=128"
+"""Stage 0's talker only; stage 1's talker has the same declaration and keeps it."""
 
 
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
     work = tmp_path_factory.mktemp("omni-two-stages")
-    reports = work / "reports"
+    for stage_id in (0, 1):
+        (work / "stats" / f"stage{stage_id}").mkdir(parents=True)
+    spec_file = work / "supplied.json"
+    spec_file.write_text(json.dumps([SUPPLIED]))
     stages = [
-        stage(i, MAX_TOKENS,
-              additional_config={"model_local_kv": {"report_path": str(reports / f"plan-stage{i}.json")}})
-        for i in (0, 1)
+        stage(0, MAX_TOKENS, env={"KV_BUDGET_DEMO_STATS_DIR": str(work / "stats" / "stage0")}),
+        stage(1, MAX_TOKENS, env={"KV_BUDGET_DEMO_STATS_DIR": str(work / "stats" / "stage1")},
+              additional_config={"model_local_kv": {"headroom_bytes": "64MiB", "declarations": str(spec_file)}}),
     ]
-    settings = {"policy": "warn", "headroom_bytes": "96MiB", "ledger_dir": "off"}
-    return run_pipeline(work, "kv_budget_demo_text_2stage", stages, settings, REQUESTS, MAX_TOKENS)
+    deployment = {"policy": "cap", "headroom_bytes": "96MiB", "report_path": str(work / "reports" / "plan.json"),
+                  "ledger_dir": str(work / "ledger"), "overrides": [UNQUALIFIED]}
+    kwargs = {
+        "additional_config": {"model_local_kv": deployment},
+        "model_local_kv_policy": "warn",
+        "model_local_kv_margin": "2GiB",
+        "stage_overrides": {"0": {"additional_config": {"model_local_kv": {"overrides": [QUALIFIED]}}}},
+    }
+    return run_pipeline(work, "kv_budget_demo_text_2stage", stages, kwargs, REQUESTS, MAX_TOKENS)
 
 
 def test_both_stages_start_and_every_request_comes_out_of_stage_1(pipeline):
@@ -58,19 +88,88 @@ def test_kv_budget_planned_in_each_stage_engine_core(pipeline):
         assert "vllm_omni.worker.gpu_ar_model_runner.GPUARModelRunner" in worker["runner_mro"]
 
 
-def test_a_stage_gets_its_own_settings_merged_with_the_global_ones(pipeline):
-    """Each stage's deploy-file ``additional_config`` reached it, with
-    ``Omni(additional_config=...)``'s keys merged in."""
-    for probe in pipeline.probes:
-        settings = probe["additional_config"]["model_local_kv"]
-        assert settings["report_path"].endswith(f"plan-stage{probe['stage_id']}.json")
-        assert (settings["policy"], settings["headroom_bytes"]) == ("warn", "96MiB")
+def test_each_stage_got_the_deployment_settings_with_its_own_winning_per_key(pipeline):
+    stage0, stage1 = (probe["additional_config"]["model_local_kv"] for probe in pipeline.probes)
+    for settings in (stage0, stage1):
+        assert settings["policy"] == "warn"  # the keyword over the global additional_config's cap
+        assert settings["margin_bytes"] == "2GiB"  # a keyword alone
+        assert settings["report_path"].endswith("plan.json")
+    assert stage0["headroom_bytes"] == "96MiB"
+    assert stage1["headroom_bytes"] == "64MiB"  # the stage's own over the global value
+    assert stage0["overrides"] == [UNQUALIFIED, QUALIFIED]  # --stage-overrides adds to the global list
+    assert stage1["overrides"] == [UNQUALIFIED]
+    assert "declarations" not in stage0 and stage1["declarations"].endswith("supplied.json")
 
 
-def test_each_stage_reports_its_own_plan(pipeline):
-    assert sorted(pipeline.reports) == ["plan-stage0.json", "plan-stage1.json"], pipeline.failure()
+def test_each_stage_writes_its_own_report_named_for_it(pipeline):
+    assert sorted(pipeline.reports) == ["plan.stage0-replica0.json", "plan.stage1-replica0.json"], \
+        pipeline.failure()
+    stage0 = pipeline.reports["plan.stage0-replica0.json"]
+    stage1 = pipeline.reports["plan.stage1-replica0.json"]
+    assert stage0["stage"] == {"stage_id": 0, "replica": 0}
+    assert stage1["stage"] == {"stage_id": 1, "replica": 0}
+    assert (stage0["policy"], stage0["decision"], stage0["headroom_bytes"]) == ("warn", "warned", HEADROOM)
+    # stage 1 planned second on the same device: its own 64 MiB, less what stage 0 recorded in the ledger
+    (stage0_entry,) = stage0["ledger"]["recorded"]
+    assert (stage1["policy"], stage1["decision"]) == ("warn", "warned")
+    assert stage1["headroom_bytes"] == max(0, STAGE1_HEADROOM - stage0_entry["reserved_bytes"])
+    assert stage1["headroom_source"].startswith("--model-local-kv-headroom")
+    assert f"minus {stage0_entry['reserved_bytes']:,} B reserved by other engines" in stage1["headroom_source"]
+
+
+def test_the_qualified_override_corrected_stage_0_only(pipeline):
+    stage0 = pipeline.reports["plan.stage0-replica0.json"]
+    stage1 = pipeline.reports["plan.stage1-replica0.json"]
+    talker0 = next(d for d in stage0["declarations"] if d["name"] == "talker_step_kv")
+    talker1 = next(d for d in stage1["declarations"] if d["name"] == "talker_step_kv")
+    assert [(o["field"], o["applied"]) for o in talker0["overrides"]] == [("physical_capacity_positions", 128)]
+    assert talker0["physical_capacity_positions"] == 128 and talker0["bytes_per_row"] * 2 == talker1["bytes_per_row"]
+    assert talker1["overrides"] == []
+    assert stage1["per_seq_bytes"] == PER_SEQ + 2 * SUPPLIED_BYTES  # the supplied one, at 256 positions
+    assert stage0["per_seq_bytes"] == PER_SEQ - talker0["bytes_per_row"]
+
+
+def test_the_supplied_declaration_is_planned_in_stage_1_marked_as_the_operators(pipeline):
+    stage1 = pipeline.reports["plan.stage1-replica0.json"]
+    (supplied,) = [d for d in stage1["declarations"] if d["supplied_by"]]
+    assert (supplied["owner"], supplied["name"]) == ("vocoder", "operator_kv")
+    assert supplied["supplied_by"].startswith("spec file ") and supplied["supplied_by"].endswith("supplied.json")
+    assert [(o["field"], o["applied"]) for o in supplied["overrides"]] == [("physical_capacity_positions", 256)]
+    assert supplied["bytes_per_row"] == 2 * SUPPLIED_BYTES
+    assert "supplied by the operator (spec file" in pipeline.output
+
+
+def test_the_unqualified_override_stage_0_lacks_is_logged_and_stage_0_runs(pipeline):
+    lines = [line for line in pipeline.output.splitlines() if "match no declaration in stage 0 replica 0" in line]
+    assert len(lines) == 1, pipeline.failure()
+    assert "[stage 0 replica 0] kv-budget: override(s) 'vocoder/operator_kv" in lines[0]
+
+
+def test_each_stage_has_its_status_file_and_ledger_entry(pipeline):
+    names = sorted(pipeline.status)
+    assert len(names) == 2 and names[0].startswith("engine-0-stage0-replica0-") \
+        and names[1].startswith("engine-0-stage1-replica0-"), names
+    for name, status in pipeline.status.items():
+        assert status["stage"]["stage_id"] == int(name.split("-stage")[1][0])
+    stage0, stage1 = (pipeline.status[name] for name in names)
+    assert stage0["overrides"] == [UNQUALIFIED, QUALIFIED] and stage0["unmatched_overrides"] == [UNQUALIFIED]
+    assert stage1["overrides"] == [UNQUALIFIED] and stage1["unmatched_overrides"] == []
     for report in pipeline.reports.values():
-        assert (report["policy"], report["headroom_bytes"], report["per_seq_bytes"]) == ("warn", HEADROOM, PER_SEQ)
-        assert (report["configured_max_num_seqs"], report["safe_max_num_seqs"]) == (MAX_NUM_SEQS, CAP)
-        assert report["decision"] == "warned"
-    assert pipeline.output.count("model-local KV plan: policy=warn decision=warned") == 2
+        (recorded,) = report["ledger"]["recorded"]
+        label = f"stage {report['stage']['stage_id']} replica 0"
+        assert recorded["engine"].endswith(label), recorded
+    # stage 1 planned after stage 0 on the same device: it saw stage 0's entry
+    (other,) = pipeline.reports["plan.stage1-replica0.json"]["ledger"]["others"]
+    assert other["engine"].endswith("stage 0 replica 0")
+
+
+def test_the_log_lines_name_their_stage(pipeline):
+    for stage_id in (0, 1):
+        assert pipeline.output.count(f"[stage {stage_id} replica 0] model-local KV plan: policy=warn") == 1
+        assert f"[stage {stage_id} replica 0] kv-budget: startup plan written to" in pipeline.output
+
+
+def test_each_stage_demo_talker_held_its_rows(pipeline):
+    assert len(pipeline.stats) == 2, pipeline.failure()
+    for stats in pipeline.stats:
+        assert 1 <= stats["peak_sequences"] <= REQUESTS

@@ -48,10 +48,10 @@ def test_parse_reads_owner_name_field_and_typed_value():
 @pytest.mark.parametrize(
     "text, message",
     [
-        ("decoder:physical_capacity_positions=72", "expected OWNER/NAME:FIELD=VALUE"),
-        ("decoder/codec_decoder_request", "expected OWNER/NAME:FIELD=VALUE"),
-        ("decoder/codec_decoder_request:physical_capacity_positions", "expected OWNER/NAME:FIELD=VALUE"),
-        ("decoder/:layers=2", "expected OWNER/NAME:FIELD=VALUE"),
+        ("decoder:physical_capacity_positions=72", "expected [STAGE:]OWNER/NAME:FIELD=VALUE"),
+        ("decoder/codec_decoder_request", "expected [STAGE:]OWNER/NAME:FIELD=VALUE"),
+        ("decoder/codec_decoder_request:physical_capacity_positions", "expected [STAGE:]OWNER/NAME:FIELD=VALUE"),
+        ("decoder/:layers=2", "expected [STAGE:]OWNER/NAME:FIELD=VALUE"),
         ("decoder/codec_decoder_request:name=x", "field 'name' cannot be overridden"),
         ("decoder/codec_decoder_request:positions=72", "field 'positions' cannot be overridden"),
         ("decoder/codec_decoder_request:physical_capacity_positions=0", "0 must be >= 1"),

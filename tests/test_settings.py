@@ -56,7 +56,7 @@ def test_values_parse_sizes_with_units_and_plain_bytes():
         ({"model_local_kv": {"ledger_dir": ""}}, "['ledger_dir'] = '' is invalid: expected a directory or 'off'"),
         ({"model_local_kv": {"share_bytes": "half"}}, "['share_bytes']"),
         ({"model_local_kv": {"overrides": ["decoder/x:layers=none"]}}, "['overrides']: override 'decoder/x:layers=none'"),
-        ({"model_local_kv": {"overrides": ["decoder:layers=2"]}}, "expected OWNER/NAME:FIELD=VALUE"),
+        ({"model_local_kv": {"overrides": ["decoder:layers=2"]}}, "expected [STAGE:]OWNER/NAME:FIELD=VALUE"),
         ({"model_local_kv": {"sample_interval_s": -0.5}}, "['sample_interval_s'] = -0.5 is invalid"),
         ({"model_local_kv": {"sample_interval_s": "1s"}}, "['sample_interval_s'] = '1s' is invalid"),
         ({"model_local_kv": {"sample_interval_s": float("inf")}}, "['sample_interval_s'] = inf is invalid"),

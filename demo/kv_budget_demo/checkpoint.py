@@ -113,12 +113,15 @@ def _tokenizer(directory: Path) -> None:
     fast.save_pretrained(directory)
 
 
-def write_demo_checkpoint(directory: str | Path, talker: dict | None = None) -> Path:
+def write_demo_checkpoint(directory: str | Path, talker: dict | None = None, base_layers: int = 2) -> Path:
     """Write the checkpoint into ``directory`` (created) and return its path.
 
     ``talker`` overrides keys of :data:`DEFAULT_TALKER`; unknown keys raise.
     The base LM is Qwen2 with hidden 256, 4 heads, 2 kv heads (head_dim 64:
-    vLLM's CPU attention rejects 16), 2 layers.
+    vLLM's CPU attention rejects 16), ``base_layers`` layers. With 0 it has
+    no attention layer, so vLLM sizes no paged KV pool for it: a pool-less
+    engine, as vLLM-Omni's Qwen3-TTS code2wav stage is, whose talker still
+    keeps (and declares) model-local KV.
     """
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -137,7 +140,7 @@ def write_demo_checkpoint(directory: str | Path, talker: dict | None = None) -> 
         vocab_size=VOCAB,
         hidden_size=256,
         intermediate_size=512,
-        num_hidden_layers=2,
+        num_hidden_layers=base_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=512,

@@ -47,6 +47,9 @@ class OwnedSpec:
     overridden: tuple[tuple[str, Any, Any], ...] = ()
     """(field, declared value, applied value) for each field an operator
     corrected (:mod:`kv_budget.override`), so a report shows both."""
+    supplied_by: str | None = None
+    """None: the model declared it; else where the operator's declaration
+    came from (``preset NAME``, ``spec file PATH``; :mod:`.supplied`)."""
 
 
 @dataclass(frozen=True)

@@ -191,6 +191,9 @@ class DeclarationLine(BaseModel):
     peak_bytes: int
     overrides: list[FieldOverride] = []
     """Operator corrections applied to this declaration, in order."""
+    supplied_by: str | None = None
+    """None: the model declared it; else the operator's source of it
+    (``preset NAME``, ``spec file PATH``)."""
 
     @classmethod
     def from_owned(cls, owned: OwnedSpec, max_num_seqs: int) -> DeclarationLine:
@@ -226,6 +229,7 @@ class DeclarationLine(BaseModel):
                 FieldOverride(field=field, declared=declared, applied=applied)
                 for field, declared, applied in owned.overridden
             ],
+            supplied_by=owned.supplied_by,
         )
 
 

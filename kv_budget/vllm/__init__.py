@@ -28,6 +28,8 @@ What it does, in order:
    engine's capped ``max_num_seqs`` from its startup ready response.
 9. ``frontend.patch_async_llm``: the ``kv_budget:`` figures on ``/metrics``,
    where vLLM logs stats (not under ``--disable-log-stats``).
+10. ``omni.register_omni``: where vLLM-Omni runs, its settings paths, the
+    check of overrides across stages, and its ``/metrics``.
 
 Every patch goes through :func:`kv_budget.vllm.patching.patch_method`.
 Nothing here registers a model: the demo architecture is the demo's own
@@ -79,6 +81,7 @@ def register() -> None:
     from kv_budget.vllm.flags import patch_engine_args
     from kv_budget.vllm.frontend import patch_async_llm, patch_ready_response
     from kv_budget.vllm.live_hook import patch_engine_steps
+    from kv_budget.vllm.omni import register_omni
     from kv_budget.vllm.pool_hook import patch_executor
     from kv_budget.vllm.startup_hook import patch_engine_config_validation, patch_engine_core, patch_scheduler
 
@@ -91,5 +94,6 @@ def register() -> None:
     patch_engine_steps(EngineCore)
     patch_ready_response(MPClient)
     patch_async_llm(AsyncLLM)
+    register_omni()
     ensure_status_dir()
     _registered = True

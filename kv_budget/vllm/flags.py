@@ -23,8 +23,28 @@ from kv_budget.settings import CONFIG_KEY, SETTINGS, Setting
 from kv_budget.vllm.patching import patch_method
 
 
-def _dest(setting: Setting) -> str:
+def flag_dest(setting: Setting) -> str:
+    """The flag's argparse destination (``model_local_kv_policy``), which is
+    also the keyword vLLM-Omni's entry points receive it as."""
     return setting.flag.lstrip("-").replace("-", "_")
+
+
+def merged_section(earlier: dict, given: dict) -> dict:
+    """``earlier`` with ``given`` winning per key, except ``overrides``,
+    which add up (``earlier``'s first): both are corrections the operator
+    asked for, and dropping one would be silent."""
+    section = dict(earlier)
+    given = dict(given)
+    if "overrides" in given and "overrides" in section:
+        before = section["overrides"]
+        if not isinstance(before, (list, tuple)):
+            raise ValueError(
+                f"additional_config[{CONFIG_KEY!r}]['overrides'] must be a list to add more overrides to, "
+                f"got {before!r}"
+            )
+        given["overrides"] = list(before) + list(given["overrides"])
+    section.update(given)
+    return section
 
 
 def add_flags(parser):
@@ -55,24 +75,15 @@ def add_flags(parser):
 
 def merge_flags_into_additional_config(engine_args, namespace) -> None:
     """Copy explicitly given flags into ``engine_args.additional_config``."""
-    given = {setting.key: getattr(namespace, _dest(setting)) for setting in SETTINGS if hasattr(namespace, _dest(setting))}
+    given = {setting.key: getattr(namespace, flag_dest(setting)) for setting in SETTINGS
+             if hasattr(namespace, flag_dest(setting))}
     if not given:
         return
     additional = engine_args.additional_config
     if not isinstance(additional, dict):
         raise ValueError(f"--model-local-kv-* flags need additional_config to be a dict, got {type(additional).__name__}")
     additional = dict(additional)  # never mutate the namespace's own dict
-    section = dict(additional.get(CONFIG_KEY) or {})
-    if "overrides" in given:
-        earlier = section.get("overrides") or []
-        if not isinstance(earlier, (list, tuple)):
-            raise ValueError(
-                f"additional_config[{CONFIG_KEY!r}]['overrides'] must be a list to add "
-                f"--model-local-kv-override to, got {earlier!r}"
-            )
-        given["overrides"] = list(earlier) + list(given["overrides"])
-    section.update(given)
-    additional[CONFIG_KEY] = section
+    additional[CONFIG_KEY] = merged_section(additional.get(CONFIG_KEY) or {}, given)
     engine_args.additional_config = additional
 
 

@@ -72,9 +72,10 @@ import msgspec
 from vllm.v1.engine import EngineCoreReadyResponse
 from vllm.v1.metrics.loggers import StatLoggerBase
 
+from kv_budget.stage import Stage
 from kv_budget.vllm.patching import patch_method
 from kv_budget.vllm.startup_hook import lower_max_num_seqs
-from kv_budget.watch.metrics import METRICS, status_samples
+from kv_budget.watch.metrics import METRICS, label_names, status_samples
 from kv_budget.watch.status import STATUS_DIR_ENV, read_status, status_path
 
 logger = logging.getLogger("vllm.kv_budget")
@@ -130,15 +131,27 @@ _warned: set[str] = set()
 failed refresh): one warning each, not one per second."""
 
 
-def gauges() -> dict[str, Any]:
-    """The process's ``kv_budget:`` gauges, created on first use."""
+_gauges_staged: list[bool] = []
+"""Whether this process's gauges carry vLLM-Omni's ``stage`` and
+``replica`` labels (set when they are created)."""
+
+
+def gauges(staged: bool = False) -> dict[str, Any]:
+    """The process's ``kv_budget:`` gauges, created on first use, labelled
+    as vLLM's series (``engine``) or, with ``staged``, as vLLM-Omni's
+    (``stage``, ``replica``). A process publishes one kind: a registry
+    holds one metric per name."""
     from prometheus_client import Gauge
 
     with _gauges_lock:
         if not _gauges:
             for spec in METRICS:
-                _gauges[spec.name] = Gauge(
-                    spec.name, spec.help, labelnames=spec.labels, multiprocess_mode="mostrecent")
+                _gauges[spec.name] = Gauge(spec.name, spec.help, labelnames=label_names(spec, staged),
+                                           multiprocess_mode="mostrecent")
+            _gauges_staged.append(staged)
+        elif _gauges_staged[0] != staged:
+            raise RuntimeError("kv-budget: this process publishes both vLLM engines and vLLM-Omni stages; "
+                               "their kv_budget: series cannot share one registry")
     return _gauges
 
 
@@ -153,18 +166,29 @@ class KvBudgetStatLogger(StatLoggerBase):
     """Publishes one engine's kv-budget status as ``kv_budget:`` gauges
     (the module docstring says when and why this way)."""
 
-    def __init__(self, vllm_config: Any, engine_index: int = 0):
+    def __init__(self, vllm_config: Any, engine_index: int = 0, stage: Stage | None = None):
         self.engine_index = engine_index
+        self.stage = stage
+        """The vLLM-Omni stage and replica whose figures this publishes (None: a vLLM engine)."""
         self.model = str(vllm_config.model_config.model)
         """As the engine core names its status file (``kv_budget.vllm.live_hook``)."""
         self.model_name = served_model_name(vllm_config)
         self._last_refresh: float | None = None
         self._last_seen: tuple[int, int] | None = None
-        gauges()
+        gauges(staged=stage is not None)
 
     def status_file(self) -> Path | None:
+        """The engine's status file. A vLLM-Omni stage's is found by its
+        stage and replica: the driver's config is the first stage's, and
+        another stage may serve another model path."""
         directory = os.environ.get(STATUS_DIR_ENV)
-        return status_path(directory, self.model, self.engine_index) if directory else None
+        if not directory:
+            return None
+        if self.stage is None:
+            return status_path(directory, self.model, self.engine_index)
+        found = sorted(Path(directory).glob(f"engine-{self.engine_index}-{self.stage.tag()}-*.json"),
+                       key=lambda path: path.stat().st_mtime_ns)
+        return found[-1] if found else None
 
     def refresh(self) -> int:
         """Publish the status file's figures; return how many samples were
@@ -187,7 +211,7 @@ class KvBudgetStatLogger(StatLoggerBase):
             return 0
         if status is None:
             return 0
-        table = gauges()
+        table = gauges(staged=self.stage is not None)
         samples = status_samples(status, self.model_name)
         for sample in samples:
             table[sample.name].labels(**sample.labels).set(sample.value)

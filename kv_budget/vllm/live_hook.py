@@ -33,9 +33,11 @@ import os
 import time
 from typing import Any
 
+from kv_budget.override import overrides_for_stage, parse_overrides
 from kv_budget.plan.planner import Plan
 from kv_budget.sample.caches import HeldBytes, UnsupportedCacheError
 from kv_budget.settings import ModelLocalKVSettings, Policy
+from kv_budget.stage import Stage
 from kv_budget.vllm.compat import checked_vllm
 from kv_budget.vllm.patching import patch_method
 from kv_budget.watch.live import LiveMonitor, WorkerSample
@@ -88,8 +90,13 @@ def apply_limit(scheduler: Any, limit: int) -> int:
 class LiveHook:
     """One engine core's live sampling, between its steps."""
 
-    def __init__(self, core: Any, vllm_config: Any, plan: Plan, settings: ModelLocalKVSettings) -> None:
+    def __init__(self, core: Any, vllm_config: Any, plan: Plan, settings: ModelLocalKVSettings,
+                 stage: Stage | None = None, unmatched_overrides: list[str] | None = None) -> None:
         self.monitor = LiveMonitor(plan, settings.sample_interval_s)
+        self.stage = stage
+        self.overrides = [o.text for o in overrides_for_stage(parse_overrides(settings.overrides),
+                                                               None if stage is None else stage.stage_id)]
+        self.unmatched_overrides = list(unmatched_overrides or [])
         self.owners_by_rank = {
             worker.rank: list(dict.fromkeys(line.owner for line in worker.declarations)) for worker in plan.workers
         }
@@ -162,6 +169,7 @@ class LiveHook:
         status = EngineStatus(
             engine_index=self.engine_index, model=self.model, pid=os.getpid(), updated_unix_s=time.time(),
             plan=self.monitor.plan, live=self.monitor.state() if self.monitor.samples else None,
+            stage=self.stage, overrides=self.overrides, unmatched_overrides=self.unmatched_overrides,
         )
         try:
             write_status(self.status_dir, status)
@@ -171,14 +179,18 @@ class LiveHook:
             self.status_dir = None
 
 
-def start_live(core: Any, vllm_config: Any, plan: Plan, settings: ModelLocalKVSettings) -> None:
+def start_live(core: Any, vllm_config: Any, plan: Plan, settings: ModelLocalKVSettings, stage: Stage | None = None,
+               unmatched_overrides: list[str] | None = None) -> None:
     """Attach a :class:`LiveHook` to ``core`` (policy cap or warn, sampling
-    on), or only publish the startup plan when sampling is off."""
+    on), or only publish the startup plan when sampling is off or nothing
+    is declared."""
     if plan.policy not in (Policy.CAP, Policy.WARN):
         return
-    hook = LiveHook(core, vllm_config, plan, settings)  # writes the startup status
+    hook = LiveHook(core, vllm_config, plan, settings, stage, unmatched_overrides)  # writes the startup status
     if settings.sample_interval_s == 0:
         logger.info("kv-budget: live sampling off (--model-local-kv-sample-interval 0)")
+        return
+    if not any(hook.owners_by_rank.values()):
         return
     core._kv_budget_live = hook
     logger.info(

@@ -30,6 +30,7 @@ from kv_budget.plan.reserve import plan_reserve, reserve_out_of_pool
 from kv_budget.report import reserve_infeasible_message
 from kv_budget.settings import ModelLocalKVSettings, Policy, settings_from_additional_config
 from kv_budget.startup import ModelLocalKVInfeasibleError, record_in_ledger, report_reserve
+from kv_budget.vllm.omni import stage_of
 from kv_budget.vllm.patching import patch_method
 from kv_budget.vllm.workers import collect_budgets, this_engine, vllm_figures
 
@@ -37,6 +38,15 @@ logger = logging.getLogger("vllm.kv_budget")
 
 _PENDING = "_kv_budget_reservation"
 """Executor attribute holding the reservation between the two wrappers."""
+
+_RESERVED = "_kv_budget_reserved"
+"""Executor attribute set once a reservation came off its pool figure."""
+
+
+def reserved_in_pool(executor: Any) -> bool:
+    """Whether the reservation was taken out of this executor's pool (False
+    when vLLM never sized a pool: the engine has no attention layer)."""
+    return getattr(executor, _RESERVED, False)
 
 
 def _kv_layer_figures(executor: Any, vllm_config: Any) -> list[tuple[int, int]]:
@@ -72,11 +82,12 @@ def reserve_in_pool(executor: Any, available: list[int], settings: ModelLocalKVS
     plan = plan_reserve(reservations, configured, vllm_config.model_config.max_model_len)
     binding = next(w for w in workers if w.rank == plan.binding_rank)
     if not plan.feasible:
-        report_reserve(plan, binding, settings, time.perf_counter() - start, vllm_figures())
+        report_reserve(plan, binding, settings, time.perf_counter() - start, vllm_figures(), stage_of(vllm_config))
         raise ModelLocalKVInfeasibleError(reserve_infeasible_message(plan))
     record_in_ledger(settings, [r.get("device") for r in results], [r.reserved_bytes for r in plan.reservations],
                      this_engine(vllm_config))
     setattr(executor, _PENDING, (plan, binding, settings, time.perf_counter() - start))
+    setattr(executor, _RESERVED, True)
     return [r.pool_bytes_after for r in plan.reservations]
 
 
@@ -111,7 +122,7 @@ def confirm_reservation(executor: Any, kv_cache_configs: list[Any]) -> None:
             "num_blocks_after": blocks_after,
             "max_concurrency_at_max_model_len": blocks_after / confirmed.blocks_per_sequence,
         })
-    report_reserve(confirmed, binding, settings, seconds, vllm_figures())
+    report_reserve(confirmed, binding, settings, seconds, vllm_figures(), stage_of(executor.vllm_config))
 
 
 def patch_executor(executor_cls) -> None:

@@ -36,7 +36,13 @@ from typing import Any
 from kv_budget.plan.planner import Decision, Plan
 from kv_budget.report import summary_line
 from kv_budget.settings import Policy, settings_from_additional_config
-from kv_budget.startup import ModelLocalKVPlanningError, plan_startup
+from kv_budget.stage import Stage
+from kv_budget.startup import (
+    ModelLocalKVInfeasibleError,
+    ModelLocalKVPlanningError,
+    plan_startup,
+    unmatched_on_every_worker,
+)
 from kv_budget.vllm.compat import (
     UnsupportedVllmError,
     checked_vllm,
@@ -45,7 +51,9 @@ from kv_budget.vllm.compat import (
     scheduler_class_problem,
 )
 from kv_budget.vllm.live_hook import start_live
+from kv_budget.vllm.omni import prefix_stage_logs, stage_of
 from kv_budget.vllm.patching import patch_method
+from kv_budget.vllm.pool_hook import reserved_in_pool
 from kv_budget.vllm.workers import collect_budgets, this_engine, vllm_figures
 
 logger = logging.getLogger("vllm.kv_budget")
@@ -55,7 +63,13 @@ def plan_after_kv_caches(core: Any, vllm_config: Any) -> Plan | None:
     """Collect, sample and plan on every worker (:mod:`kv_budget.startup`),
     then apply the plan. Returns it (None under ``off`` and ``reserve``)."""
     settings = settings_from_additional_config(vllm_config.additional_config)
-    if settings.policy in (Policy.OFF, Policy.RESERVE):
+    stage = stage_of(vllm_config)
+    prefix_stage_logs(stage)
+    if settings.policy is Policy.OFF:
+        return None
+    if settings.policy is Policy.RESERVE:
+        if not reserved_in_pool(core.model_executor):
+            refuse_reserve_without_pool(core, vllm_config, settings, stage)
         return None  # reserve acted on the pool already (pool_hook)
     require_no_scheduler_yet(core)
     scheduler_config = vllm_config.scheduler_config
@@ -74,15 +88,34 @@ def plan_after_kv_caches(core: Any, vllm_config: Any) -> Plan | None:
         logger.warning("kv-budget could not plan model-local KV (%s); policy warn: the engine starts unprotected, "
                        "max_num_seqs left at %d", "; ".join(exc.failures), configured)
         return None
-    plan = plan_startup(results, settings, configured, this_engine(vllm_config), vllm_figures(), start)
+    plan = plan_startup(results, settings, configured, this_engine(vllm_config), vllm_figures(), start, stage)
     if plan is None:
         return None
     if plan.decision is Decision.CAPPED:
         _apply_cap(scheduler_config, plan)
     elif plan.decision is Decision.WARNED:
         logger.warning("%s", summary_line(plan))
-    start_live(core, vllm_config, plan, settings)
+    start_live(core, vllm_config, plan, settings, stage, unmatched_on_every_worker(results))
     return plan
+
+
+def refuse_reserve_without_pool(core: Any, vllm_config: Any, settings: Any, stage: Stage | None) -> None:
+    """Policy ``reserve`` on an engine vLLM gave no paged KV pool (no
+    attention layer: vLLM never asks the executor for a pool figure, so the
+    pool hook never ran). With declarations, refuse in one line: nothing
+    can be taken out of a pool that does not exist, and switching policy
+    in silence is a guess. With none, one line and nothing to do."""
+    results = collect_budgets(core, vllm_config, settings, sample=False)
+    who = stage.label() if stage is not None else "this engine"
+    if not any(r["declarations"] for r in results):
+        logger.info("kv-budget: %s has no paged KV pool and declares no model-local KV: policy reserve has "
+                    "nothing to do", who)
+        return
+    raise ModelLocalKVInfeasibleError(
+        f"kv-budget: policy reserve cannot protect {who} (model {vllm_config.model_config.model}): it has no paged "
+        f"KV pool to take its model-local KV ({', '.join(results[0]['declarations'])}) out of; use policy cap for "
+        "it (--model-local-kv-policy cap, or in vLLM-Omni that stage's additional_config.model_local_kv.policy: cap)"
+    )
 
 
 def lower_max_num_seqs(scheduler_config: Any, limit: int) -> list[str]:

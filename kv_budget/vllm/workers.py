@@ -16,15 +16,16 @@ from typing import Any
 from kv_budget.settings import ModelLocalKVSettings
 from kv_budget.startup import budget_loaded_model, checked_results, engine_label
 from kv_budget.vllm.compat import checked_vllm
+from kv_budget.vllm.omni import stage_of
 
 
 def budget_on_worker(worker: Any, settings: dict, configured_max_num_seqs: int, sharers: int,
-                     sample: bool = True) -> dict:
+                     sample: bool = True, stage_id: int | None = None) -> dict:
     """Runs in every worker (``collective_rpc``):
     :func:`kv_budget.startup.budget_loaded_model` on its model and device."""
     device = worker.device
     return budget_loaded_model(worker.model_runner.model, worker.rank, (device.type, device.index or 0), settings,
-                               configured_max_num_seqs, sharers, sample)
+                               configured_max_num_seqs, sharers, sample, stage_id)
 
 
 def _workers_sharing_memory(vllm_config: Any) -> int:
@@ -42,15 +43,16 @@ def vllm_figures() -> dict:
 
 
 def this_engine(vllm_config: Any) -> str:
-    """This engine's name in the device ledger."""
-    return engine_label(os.getpid(), str(vllm_config.model_config.model))
+    """This engine's name in the device ledger (with its vLLM-Omni stage)."""
+    return engine_label(os.getpid(), str(vllm_config.model_config.model), stage_of(vllm_config))
 
 
 def collect_budgets(core: Any, vllm_config: Any, settings: ModelLocalKVSettings, sample: bool = True) -> list[dict]:
     """Every worker's budget (``budget_on_worker``), failures and overrides checked."""
+    stage = stage_of(vllm_config)
     results = core.collective_rpc(
         budget_on_worker,
         args=(settings.model_dump(mode="json"), vllm_config.scheduler_config.max_num_seqs,
-              _workers_sharing_memory(vllm_config), sample),
+              _workers_sharing_memory(vllm_config), sample, None if stage is None else stage.stage_id),
     )
-    return checked_results(results, settings.policy)
+    return checked_results(results, settings.policy, stage)

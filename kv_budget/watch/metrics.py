@@ -31,6 +31,11 @@ values (an owner's verdict, the count of findings per kind) is published for
 every value: 1 on the current verdict and 0 on the others, 0 for a kind
 with no finding, rather than a series that would have to vanish.
 
+In a vLLM-Omni deployment the ``engine`` label becomes ``stage`` and
+``replica``, as vLLM-Omni relabels vLLM's own series
+(:func:`label_names`), so each stage's figures join with its ``vllm:``
+series there.
+
 The root module (owner ``""``) is labelled ``<root>``, as the log lines
 name it: Prometheus treats an empty label value as no label.
 """
@@ -56,6 +61,7 @@ __all__ = [
     "Sample",
     "METRICS",
     "METRICS_BY_NAME",
+    "label_names",
     "owner_label",
     "status_samples",
 ]
@@ -64,6 +70,8 @@ NAMESPACE = "kv_budget"
 
 ENGINE_LABELS = ("model_name", "engine")
 """vLLM's own labels on its per-engine series."""
+STAGE_LABELS = ("stage", "replica")
+"""What vLLM-Omni puts in place of ``engine`` on its per-stage series."""
 RANK_LABELS = (*ENGINE_LABELS, "rank")
 OWNER_LABELS = (*RANK_LABELS, "owner")
 DECLARATION_LABELS = (*OWNER_LABELS, "name", "scope", "rows")
@@ -195,9 +203,21 @@ def owner_label(owner: str) -> str:
     return owner or "<root>"
 
 
+def label_names(spec: MetricSpec, staged: bool) -> tuple[str, ...]:
+    """``spec``'s label names; with ``staged``, ``engine`` replaced by
+    :data:`STAGE_LABELS` in its place (a vLLM-Omni stage's series)."""
+    if not staged:
+        return spec.labels
+    names: list[str] = []
+    for name in spec.labels:
+        names.extend(STAGE_LABELS if name == "engine" else (name,))
+    return tuple(names)
+
+
 class _Samples:
-    def __init__(self, base: dict[str, str]) -> None:
+    def __init__(self, base: dict[str, str], staged: bool) -> None:
         self.base = base
+        self.staged = staged
         self.samples: list[Sample] = []
 
     def add(self, metric: str, value: float | int | None, /, **labels: str) -> None:
@@ -205,7 +225,7 @@ class _Samples:
             return
         spec = METRICS_BY_NAME[f"{NAMESPACE}:{metric}"]
         merged = {**self.base, **labels}
-        assert tuple(merged) == spec.labels, (spec.name, tuple(merged))
+        assert tuple(merged) == label_names(spec, self.staged), (spec.name, tuple(merged))
         self.samples.append(Sample(spec.name, merged, float(value)))
 
 
@@ -265,7 +285,12 @@ def _live_samples(out: _Samples, live: LiveState) -> None:
 def status_samples(status: EngineStatus, model_name: str | None = None) -> list[Sample]:
     """Every sample of ``status``. ``model_name`` is the ``model_name``
     label (vLLM's served model name); the status's model by default."""
-    out = _Samples({"model_name": model_name or status.model, "engine": str(status.engine_index)})
+    name = model_name or status.model
+    if status.stage is None:
+        out = _Samples({"model_name": name, "engine": str(status.engine_index)}, staged=False)
+    else:
+        out = _Samples({"model_name": name, "stage": str(status.stage.stage_id),
+                        "replica": str(status.stage.replica)}, staged=True)
     _plan_samples(out, status.plan)
     out.add("live_max_num_seqs", status.live.limit if status.live is not None else status.plan.effective_max_num_seqs)
     out.add("status_updated_timestamp_seconds", status.updated_unix_s)

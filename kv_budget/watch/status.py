@@ -15,8 +15,10 @@ creates a private temporary directory and sets the variable; every process
 it starts after that (engine cores, workers, further API servers) inherits
 it, as vLLM's own ``PROMETHEUS_MULTIPROC_DIR`` is inherited. One file per
 engine: ``engine-{index}-{digest}.json``, the digest of the model name, so
-engines of different models (the stages of a vLLM-Omni deployment) sharing
-the directory do not overwrite each other.
+engines of different models sharing the directory do not overwrite each
+other; a vLLM-Omni stage adds its stage and replica
+(``engine-{index}-stage{S}-replica{R}-{digest}.json``), since the stages of
+one deployment often serve one model.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pathlib import Path
 from pydantic import BaseModel, ValidationError
 
 from kv_budget.plan.planner import Plan
+from kv_budget.stage import Stage
 from kv_budget.watch.live import LiveState
 
 __all__ = ["STATUS_DIR_ENV", "EngineStatus", "status_path", "write_status", "read_status"]
@@ -47,16 +50,25 @@ class EngineStatus(BaseModel):
     plan: Plan
     live: LiveState | None = None
     """None until the first sample (and under policies that do not sample)."""
+    stage: Stage | None = None
+    """The vLLM-Omni stage and replica; None for a plain vLLM engine."""
+    overrides: list[str] = []
+    """The operator's overrides that applied to this engine (unqualified
+    ones and its stage's), as given."""
+    unmatched_overrides: list[str] = []
+    """Those of them that matched no declaration here: a vLLM-Omni driver
+    stops the deployment when one matched in no stage."""
 
 
-def status_path(directory: str | Path, model: str, engine_index: int) -> Path:
+def status_path(directory: str | Path, model: str, engine_index: int, stage: Stage | None = None) -> Path:
     digest = hashlib.sha256(model.encode()).hexdigest()[:12]
-    return Path(directory) / f"engine-{engine_index}-{digest}.json"
+    staged = f"{stage.tag()}-" if stage is not None else ""
+    return Path(directory) / f"engine-{engine_index}-{staged}{digest}.json"
 
 
 def write_status(directory: str | Path, status: EngineStatus) -> Path:
     """Write atomically (temporary file, then rename); return the path."""
-    path = status_path(directory, status.model, status.engine_index)
+    path = status_path(directory, status.model, status.engine_index, status.stage)
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     temporary.write_text(status.model_dump_json())

