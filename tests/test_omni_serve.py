@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 import pytest
 from engine_support import CAP, HEADROOM, PER_SEQ
-from kv_budget_demo.serving import ApiServer, send_completions
 from omni_pipeline_support import write_deploy
+
+from kv_budget_demo.serving import ApiServer, send_completions
 
 pytestmark = pytest.mark.omni_pipeline
 
