@@ -22,7 +22,6 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from kv_budget.collect.model import Collection
 from kv_budget.collect.presets import PRESETS, preset_collection

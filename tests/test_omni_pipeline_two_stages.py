@@ -27,7 +27,7 @@ import json
 
 import pytest
 from engine_support import HEADROOM, PER_SEQ
-from omni_pipeline_support import MAX_NUM_SEQS, run_pipeline, stage
+from omni_pipeline_support import run_pipeline, stage
 
 pytestmark = pytest.mark.omni_pipeline
 
