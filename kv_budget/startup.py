@@ -223,14 +223,15 @@ def plan_startup(
     workers = [WorkerBudget.model_validate(r["budget"]) for r in results]
     plan = _plan_on_shared_devices(workers, [r.get("device") for r in results], settings, configured, label)
     seconds = time.perf_counter() - started
-    _log_vllm(vllm_figures)
     if any(worker.declarations or worker.failures for worker in plan.workers):
+        _log_vllm(vllm_figures)
         for line in render_plan_table(plan).splitlines():
             logger.info("%s", line)
+        logger.info("kv-budget: collect + sample + plan took %.3f s over %d worker(s)", seconds, len(workers))
     else:
-        logger.info("kv-budget: the model declares no model-local KV: nothing to plan, max_num_seqs %d stays",
-                    configured)
-    logger.info("kv-budget: collect + sample + plan took %.3f s over %d worker(s)", seconds, len(workers))
+        # One line: in a deployment of many stages most declare nothing.
+        logger.info("kv-budget: the model declares no model-local KV: nothing to plan, max_num_seqs %d stays "
+                    "(%.3f s over %d worker(s))", configured, seconds, len(workers))
     if settings.report_path:
         write_report(report_file(settings, stage), {**plan.model_dump(mode="json"), "plugin_seconds": seconds,
                                                     "worker_seconds": [r["seconds"] for r in results]},

@@ -185,3 +185,23 @@ def test_a_stages_log_lines_name_it(caplog):
     assert prefix.filter(record) and record.getMessage() == "[stage 1 replica 0] kv-budget: x"
     prefix.filter(record)
     assert record.getMessage() == "[stage 1 replica 0] kv-budget: x"  # once, however often it passes
+
+
+def test_a_platform_section_that_replaces_additional_config_is_found(tmp_path):
+    from kv_budget.plan.deploy_file import settings_a_platform_replaces
+
+    deploy = tmp_path / "deploy.yaml"
+    deploy.write_text(json.dumps({
+        "stages": [
+            {"stage_id": 0, "additional_config": {"model_local_kv": {"policy": "warn", "headroom_bytes": "1GiB"}}},
+            {"stage_id": 1, "engine_args": {"additional_config": {"model_local_kv": {"policy": "cap"}}}},
+            {"stage_id": 2, "additional_config": {"model_local_kv": {"policy": "cap"}}},
+        ],
+        "platforms": {"rocm": {"stages": [
+            {"stage_id": 0, "additional_config": {"model_local_kv": {"policy": "warn"}, "other": 1}},
+            {"stage_id": 1, "additional_config": {"other": 1}},
+            {"stage_id": 2, "devices": "1"},  # no additional_config: the stage keeps its own
+        ]}},
+    }))
+    assert settings_a_platform_replaces(deploy, "rocm", "model_local_kv") == {0: ["headroom_bytes"], 1: ["policy"]}
+    assert settings_a_platform_replaces(deploy, "cuda", "model_local_kv") == {}

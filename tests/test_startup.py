@@ -85,3 +85,15 @@ def test_an_unmeasured_device_refuses_under_cap_and_leaves_the_engine_alone_unde
         plan_startup(results, ModelLocalKVSettings(ledger_dir="off"), 256, "e", VLLM, started=0.0)
     assert plan_startup(results, ModelLocalKVSettings(policy="warn", ledger_dir="off"), 256, "e", VLLM,
                         started=0.0) is None
+
+
+def test_a_model_that_declares_nothing_gets_one_line_and_its_configured_limit(caplog):
+    settings = ModelLocalKVSettings(headroom_bytes=10 * ROW, ledger_dir="off")
+    result = budget_loaded_model(torch.nn.Linear(2, 2), 0, ("cpu", 0), settings.model_dump(mode="json"), 256, 1)
+    with caplog.at_level(logging.INFO, logger="vllm.kv_budget"):
+        plan = plan_startup(checked_results([result], settings.policy), settings, 256, "pid 1: model m", VLLM,
+                            started=0.0)
+    assert (plan.decision, plan.effective_max_num_seqs) == (Decision.OK, 256)
+    lines = [r.getMessage() for r in caplog.records if r.name == "vllm.kv_budget"]
+    assert len(lines) == 1 and lines[0].startswith(
+        "kv-budget: the model declares no model-local KV: nothing to plan, max_num_seqs 256 stays"), lines

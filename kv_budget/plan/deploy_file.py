@@ -41,6 +41,7 @@ from kv_budget.units import GiB
 
 __all__ = [
     "DeployError",
+    "settings_a_platform_replaces",
     "DEFAULT_GPU_MEMORY_UTILIZATION",
     "GRAPH_RESERVE_BYTES",
     "StageDeploy",
@@ -530,3 +531,30 @@ def load_deploy(path: str | Path, platform: str | None = None) -> DeployFile:
         platform_note=note,
         stages=[_stage_deploy(stage, data, where) for stage in stages.values()],
     )
+
+
+def settings_a_platform_replaces(path: str | Path, platform: str, key: str) -> dict[int, list[str]]:
+    """Stage id -> the ``additional_config[key]`` settings of the stage's own
+    entry that its ``platforms.<platform>`` entry drops: vLLM-Omni replaces
+    a stage's whole ``additional_config`` with the platform's, so settings
+    the platform's lacks are gone on that platform. Empty when nothing is
+    lost."""
+    data, chain = _resolve(Path(path), _Source(Path(path), ()), ())
+    where = _Source(Path(path), chain).where()
+    section = (data.get("platforms") or {}).get(platform) or {}
+    base = {entry["stage_id"]: entry for entry in data["stages"]}
+    lost: dict[int, list[str]] = {}
+    for index, overlay in enumerate(section.get("stages") or []):
+        sid = overlay.get("stage_id")
+        if sid not in base:
+            continue
+        replaced = _split_stage(overlay, f"platforms.{platform}.stages[{index}]", where).get("additional_config")
+        if replaced is None:
+            continue
+        own = _split_stage(base[sid], f"stages[stage_id={sid}]", where).get("additional_config")
+        mine = ((own[0] if own else None) or {}).get(key) or {}
+        theirs = (replaced[0] or {}).get(key) or {}
+        gone = sorted(k for k in mine if k not in theirs)
+        if gone:
+            lost[sid] = gone
+    return lost

@@ -20,7 +20,8 @@ lets vLLM-Omni resolve the rest, and writes into each LLM stage's
 (deploy YAML, ``--stage-overrides``) winning per key; overrides add up
 (deployment-wide first). Each stage's result is validated there, naming
 the stage. A stage that cannot take them (a diffusion stage) is named in a
-warning.
+warning, as is a stage whose deploy-file settings a ``platforms:`` section
+replaced on the platform it runs on.
 
 **One check across stages** (:func:`patch_stage_runtime`). An override
 that names no stage applies in every stage that has its declaration; a
@@ -179,12 +180,37 @@ settings into (:func:`patch_stage_runtime` tells a deployment resolved
 before the plugin loaded)."""
 
 
+def warn_platform_replacements(deploy_config_path: str | None) -> None:
+    """One warning per stage whose deploy-file ``model_local_kv`` settings
+    the running platform's ``platforms:`` section replaced."""
+    if not deploy_config_path:
+        return
+    from vllm_omni.platforms import current_omni_platform
+
+    from kv_budget.plan.deploy_file import DeployError, settings_a_platform_replaces
+
+    name = current_omni_platform.device_name
+    if not name:
+        return
+    try:
+        lost = settings_a_platform_replaces(deploy_config_path, name.lower(), CONFIG_KEY)
+    except (DeployError, OSError, KeyError, TypeError):
+        return  # vLLM-Omni read the file; a reading of ours that fails changes nothing it does
+    for stage_id, keys in lost.items():
+        logger.warning(
+            "kv-budget: stage %s: the deploy file's platforms.%s section sets additional_config, which replaces the "
+            "stage's own, so its model_local_kv settings %s do not apply on this platform; repeat them in "
+            "platforms.%s.stages[stage_id=%s].additional_config.model_local_kv", stage_id, name.lower(), keys,
+            name.lower(), stage_id)
+
+
 def patch_config_resolution(omni_config_cls) -> None:
     """Wrap the classmethod ``VllmOmniConfig.from_pipeline_config``."""
 
     def wrap(original):
         def from_pipeline_config(cls, pipeline_cfg, *args, cli_overrides=None, **kwargs):
             deployment, rest = deployment_settings(cli_overrides or {})
+            warn_platform_replacements(kwargs.get("deploy_config_path"))
             config = original(cls, pipeline_cfg, *args, cli_overrides=rest, **kwargs)
             apply_to_stages(config.stage_configs, deployment)
             _resolved_here.update(id(stage_config) for stage_config in config.stage_configs)
