@@ -7,7 +7,9 @@ one line that says why and what to do:
 * an override that matches a declaration in no stage: the driver's check
   across stages stops the deployment once every stage is up, naming every
   stage's declarations (a stage that lacks an unqualified override's
-  declaration starts: tests/test_omni_pipeline_two_stages.py);
+  declaration starts: tests/test_omni_pipeline_two_stages.py); this driver
+  does not load the plugins before ``Omni(...)``, and the warning that
+  follows is checked too;
 * ``reserve`` on a stage with no paged KV pool (the demo model with no
   base-LM layer: no attention layer, so vLLM sizes no pool, as for
   vLLM-Omni's Qwen3-TTS code2wav), whose talker declares model-local KV:
@@ -30,8 +32,10 @@ def unmatched(tmp_path_factory):
     work = tmp_path_factory.mktemp("omni-unmatched")
     settings = {"model_local_kv": {"policy": "cap", "headroom_bytes": "96MiB", "ledger_dir": "off",
                                    "overrides": [UNMATCHED]}}
+    # Plugins not loaded first: the first Omni() of the process is resolved
+    # before kv-budget loads, which it says as soon as it does.
     return run_pipeline(work, "kv_budget_demo_text", [stage(0, MAX_TOKENS)], {"additional_config": settings}, 2,
-                        MAX_TOKENS)
+                        MAX_TOKENS, load_plugins_first=False)
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +57,16 @@ def test_an_override_no_stage_matches_stops_the_deployment_naming_every_stages_d
     assert unmatched.refused is not None and expected in unmatched.refused["message"], unmatched.failure()
     # the stage itself started, logging that the override is the deployment's to judge
     assert "match no declaration in stage 0 replica 0" in unmatched.output
+
+
+def test_a_deployment_resolved_before_the_plugin_loaded_is_named_in_a_warning(unmatched):
+    """The global additional_config still reached the stage (vLLM-Omni's own
+    merge), and the check across stages still ran (it is looked up when
+    called); what kv-budget could not do is said once."""
+    warnings = [line for line in unmatched.output.splitlines()
+                if "vLLM-Omni resolved this deployment before it loaded vLLM's general plugins" in line]
+    assert len(warnings) == 1, unmatched.failure()
+    assert "load_general_plugins()" in warnings[0] and "stage(s) [0]" in warnings[0]
 
 
 def test_reserve_on_a_stage_without_a_paged_pool_refuses_in_one_line(poolless):
