@@ -347,10 +347,18 @@ def patch_stat_logger(stat_logger_cls) -> None:
 # --- registration -----------------------------------------------------------------
 
 def running_vllm_omni() -> bool:
-    """Whether this process runs vLLM-Omni (its driver, a stage engine core
-    or worker import it before vLLM loads plugins). A plain vLLM process of
+    """Whether this process runs vLLM-Omni: its package is imported (its
+    driver, a stage engine core and worker import it before vLLM loads
+    plugins) and installed (files of its wheel imported one by one, as the
+    audit targets do, are not a vLLM-Omni runtime). A plain vLLM process of
     a venv that has vLLM-Omni installed is left alone."""
-    return "vllm_omni" in sys.modules
+    if "vllm_omni" not in sys.modules:
+        return False
+    try:
+        importlib.metadata.version("vllm-omni")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def check_vllm_omni() -> str:
