@@ -111,3 +111,6 @@ def test_metrics_carry_one_set_of_kv_budget_series_per_stage_labelled_as_vllm_om
     per_seq = {key: value for key, value in series(metrics, "kv_budget:per_sequence_bytes").items()}
     assert per_seq == {("0", "0"): PER_SEQ, ("1", "0"): STAGE1_PER_SEQ}
     assert 'engine="' not in "\n".join(line for line in metrics.splitlines() if line.startswith("kv_budget:"))
+    # vLLM-Omni's own per-stage series carry the same labels, with the same values
+    assert ("0", "0") in series(metrics, "vllm:estimated_flops_per_gpu_total") \
+        and ("1", "0") in series(metrics, "vllm:estimated_flops_per_gpu_total"), metrics[-3000:]
