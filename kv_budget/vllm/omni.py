@@ -25,9 +25,10 @@ replaced on the platform it runs on.
 
 **One check across stages** (:func:`patch_stage_runtime`). An override
 that names no stage applies in every stage that has its declaration; a
-stage that lacks it logs so and starts. Once every stage is up, the driver
-reads each stage's status file and stops the deployment when such an
-override matched in no stage, naming every stage's declarations.
+stage that lacks it logs so and starts. Once every stage is up (with one
+API server or several), the driver reads each stage's status file and
+stops the deployment when such an override matched in no stage, naming
+every stage's declarations.
 
 **Metrics** (:func:`patch_stat_logger`). vLLM-Omni's orchestrator never
 builds vLLM's ``AsyncLLM`` and never loads ``vllm.stat_logger_plugins``;
@@ -51,6 +52,7 @@ parser, so it is never affected). Every hook point is checked by
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import logging
 import os
@@ -270,16 +272,25 @@ def check_overrides_across_stages() -> None:
     directory = os.environ.get(STATUS_DIR_ENV)
     if not directory:
         return
-    refusal = unmatched_across_stages(stage_statuses(directory, _engine_core_pids()))
+    statuses = stage_statuses(directory, _engine_core_pids())
+    refusal = unmatched_across_stages(statuses)
     if refusal:
         raise ModelLocalKVOverrideError(refusal)
+    given = sorted({text for status in statuses for text in status.overrides})
+    if given:
+        logger.info("kv-budget: override(s) %s checked across %d stage(s): each matched a declaration in a stage",
+                    ", ".join(map(repr, given)), len(statuses))
 
 
 def patch_stage_runtime(stage_runtime_cls) -> None:
     """Wrap ``StageRuntime._build_logical_stage_init_plans`` (after vLLM-Omni
-    loaded the plugins, before any stage starts) and
-    ``StageRuntime._finalize_initialized_stages`` (every stage is ready;
-    raising there shuts them down)."""
+    loaded the plugins, before any stage starts), and the two places every
+    stage is ready: ``StageRuntime._finalize_initialized_stages`` (one API
+    server, or a Python driver) and the end of the context manager
+    ``StageRuntime.launch_stage_engines`` when it launched the whole
+    pipeline (``--api-server-count`` > 1; a regular start enters it once per
+    stage).
+    Raising at either shuts the stages down."""
 
     def wrap_plans(original):
         def _build_logical_stage_init_plans(self, *args, **kwargs):
@@ -300,8 +311,22 @@ def patch_stage_runtime(stage_runtime_cls) -> None:
             return original(self, *args, **kwargs)
         return _finalize_initialized_stages
 
+    def wrap_launch(original):
+        @contextlib.contextmanager
+        def launch_stage_engines(self, *args, stage_plans=None, **kwargs):
+            with original(self, *args, stage_plans=stage_plans, **kwargs) as launch:
+                yield launch
+            # Without stage_plans it launched the whole pipeline (the serving
+            # parent); with them, one stage of a regular start, which
+            # _finalize_initialized_stages checks once all are up. The
+            # readiness handshake is in the original's exit.
+            if stage_plans is None:
+                check_overrides_across_stages()
+        return launch_stage_engines
+
     patch_method(stage_runtime_cls, "_build_logical_stage_init_plans", wrap_plans)
     patch_method(stage_runtime_cls, "_finalize_initialized_stages", wrap_finalize)
+    patch_method(stage_runtime_cls, "launch_stage_engines", wrap_launch)
 
 
 # --- in the driver: metrics ---------------------------------------------------------
@@ -376,7 +401,8 @@ def check_vllm_omni() -> str:
     from vllm_omni.metrics.stat_logger import OmniPrometheusStatLogger
 
     needed = [(VllmOmniConfig, "from_pipeline_config"), (StageRuntime, "_build_logical_stage_init_plans"),
-              (StageRuntime, "_finalize_initialized_stages"), (OmniPrometheusStatLogger, "register_replica"),
+              (StageRuntime, "_finalize_initialized_stages"), (StageRuntime, "launch_stage_engines"),
+              (OmniPrometheusStatLogger, "register_replica"),
               (OmniPrometheusStatLogger, "record")]
     missing = [f"{cls.__name__}.{name}" for cls, name in needed if not hasattr(cls, name)]
     if missing:
