@@ -127,6 +127,7 @@ def budget_loaded_model(
         "override_error": None,
         "failure": None,
         "declarations": [],
+        "overrides": [],
         "unmatched_overrides": [],
     }
     try:
@@ -137,6 +138,7 @@ def budget_loaded_model(
         result["declarations"] = [declaration_label(owned.owner, owned.spec.name) for owned in collection.specs]
         overrides = overrides_for_stage(parse_overrides(config.overrides), stage_id)
         collection, unmatched = apply_overrides(collection, overrides)
+        result["overrides"] = [o.text for o in overrides]
         result["unmatched_overrides"] = [o.text for o in unmatched]
         headroom = _worker_headroom(rank, device, config, sharers) if sample else headroom_override(
             0, NO_HEADROOM_UNDER_RESERVE)

@@ -84,6 +84,7 @@ def test_an_unqualified_override_a_stage_lacks_is_left_to_the_deployment(caplog)
         checked_results(results, "cap", Stage(stage_id=0, replica=0))
     assert "match no declaration in stage 0 replica 0 (declarations: holders.0/kept)" in caplog.text
     assert results[0]["unmatched_overrides"] == ["holders.0/other:layers=2"]
+    assert results[0]["overrides"] == ["holders.0/other:layers=2"]
 
 
 def test_a_qualified_override_that_matches_nothing_in_its_stage_stops_it():
@@ -148,6 +149,8 @@ def test_the_driver_takes_keywords_over_the_global_section_and_the_stage_over_bo
     assert stage_settings(deployment, own) == {
         "policy": "warn", "headroom_bytes": "64MiB", "overrides": ["a/x:layers=2", "b/y:layers=3", "1:c/z:layers=4"]}
     assert stage_settings({}, None) == {}
+    with pytest.raises(ValueError, match=r"\['overrides'\] must be a list to add more overrides to, got 'c/z:layers=4'"):
+        stage_settings(deployment, {"overrides": "c/z:layers=4"})  # never split into characters
     assert deployment_settings({"model_local_kv_override": "a/x:layers=2"})[0] == {"overrides": ["a/x:layers=2"]}
 
 

@@ -36,13 +36,13 @@ def merged_section(earlier: dict, given: dict) -> dict:
     section = dict(earlier)
     given = dict(given)
     if "overrides" in given and "overrides" in section:
-        before = section["overrides"]
-        if not isinstance(before, (list, tuple)):
-            raise ValueError(
-                f"additional_config[{CONFIG_KEY!r}]['overrides'] must be a list to add more overrides to, "
-                f"got {before!r}"
-            )
-        given["overrides"] = list(before) + list(given["overrides"])
+        for value in (section["overrides"], given["overrides"]):
+            if not isinstance(value, (list, tuple)):
+                raise ValueError(
+                    f"additional_config[{CONFIG_KEY!r}]['overrides'] must be a list to add more overrides to, "
+                    f"got {value!r}"
+                )
+        given["overrides"] = list(section["overrides"]) + list(given["overrides"])
     section.update(given)
     return section
 

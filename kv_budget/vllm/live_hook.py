@@ -33,7 +33,6 @@ import os
 import time
 from typing import Any
 
-from kv_budget.override import overrides_for_stage, parse_overrides
 from kv_budget.plan.planner import Plan
 from kv_budget.sample.caches import HeldBytes, UnsupportedCacheError
 from kv_budget.settings import ModelLocalKVSettings, Policy
@@ -91,11 +90,12 @@ class LiveHook:
     """One engine core's live sampling, between its steps."""
 
     def __init__(self, core: Any, vllm_config: Any, plan: Plan, settings: ModelLocalKVSettings,
-                 stage: Stage | None = None, unmatched_overrides: list[str] | None = None) -> None:
+                 stage: Stage | None = None, overrides: list[str] | None = None,
+                 unmatched_overrides: list[str] | None = None) -> None:
         self.monitor = LiveMonitor(plan, settings.sample_interval_s)
         self.stage = stage
-        self.overrides = [o.text for o in overrides_for_stage(parse_overrides(settings.overrides),
-                                                               None if stage is None else stage.stage_id)]
+        self.overrides = list(overrides or [])
+        """The overrides that applied here, as the workers filtered them for the stage."""
         self.unmatched_overrides = list(unmatched_overrides or [])
         self.owners_by_rank = {
             worker.rank: list(dict.fromkeys(line.owner for line in worker.declarations)) for worker in plan.workers
@@ -180,13 +180,13 @@ class LiveHook:
 
 
 def start_live(core: Any, vllm_config: Any, plan: Plan, settings: ModelLocalKVSettings, stage: Stage | None = None,
-               unmatched_overrides: list[str] | None = None) -> None:
+               overrides: list[str] | None = None, unmatched_overrides: list[str] | None = None) -> None:
     """Attach a :class:`LiveHook` to ``core`` (policy cap or warn, sampling
     on), or only publish the startup plan when sampling is off or nothing
     is declared."""
     if plan.policy not in (Policy.CAP, Policy.WARN):
         return
-    hook = LiveHook(core, vllm_config, plan, settings, stage, unmatched_overrides)  # writes the startup status
+    hook = LiveHook(core, vllm_config, plan, settings, stage, overrides, unmatched_overrides)  # writes the status
     if settings.sample_interval_s == 0:
         logger.info("kv-budget: live sampling off (--model-local-kv-sample-interval 0)")
         return

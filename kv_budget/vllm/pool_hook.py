@@ -30,7 +30,7 @@ from kv_budget.plan.reserve import plan_reserve, reserve_out_of_pool
 from kv_budget.report import reserve_infeasible_message
 from kv_budget.settings import ModelLocalKVSettings, Policy, settings_from_additional_config
 from kv_budget.startup import ModelLocalKVInfeasibleError, record_in_ledger, report_reserve
-from kv_budget.vllm.omni import stage_of
+from kv_budget.vllm.omni import prefix_stage_logs, stage_of
 from kv_budget.vllm.patching import patch_method
 from kv_budget.vllm.workers import collect_budgets, this_engine, vllm_figures
 
@@ -135,6 +135,7 @@ def patch_executor(executor_cls) -> None:
             settings = settings_from_additional_config(self.vllm_config.additional_config)
             if settings.policy is not Policy.RESERVE:
                 return available
+            prefix_stage_logs(stage_of(self.vllm_config))  # reserve logs before the startup hook runs
             return reserve_in_pool(self, available, settings)
         return determine_available_memory
 

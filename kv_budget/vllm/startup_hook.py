@@ -95,7 +95,7 @@ def plan_after_kv_caches(core: Any, vllm_config: Any) -> Plan | None:
         _apply_cap(scheduler_config, plan)
     elif plan.decision is Decision.WARNED:
         logger.warning("%s", summary_line(plan))
-    start_live(core, vllm_config, plan, settings, stage, unmatched_on_every_worker(results))
+    start_live(core, vllm_config, plan, settings, stage, results[0]["overrides"], unmatched_on_every_worker(results))
     return plan
 
 
