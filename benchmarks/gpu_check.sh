@@ -16,6 +16,11 @@
 #    on a pool vLLM sized on the GPU.
 # 4. live sampling's cost (benchmarks/bench_live.py, one round): 256 running
 #    requests each keeping cache rows on the GPU, sampling on and off.
+# 5. stages sharing a device (benchmarks/gpu_deploy_check.py): two stage
+#    processes start one after the other on device 0, each holding its
+#    share of real CUDA memory; their deployment split (NVML capacity and
+#    free memory) must equal `kv-budget plan --deploy`'s, and the model-local
+#    KV each then allocates at its split must fit. Needs no vLLM.
 #
 # Installs what it needs into .venv-gpu (PyTorch from the machine where one
 # is installed, plus kv-budget with the `cuda` extra). Where the package
@@ -96,6 +101,14 @@ if [ "$step2" != SKIPPED ]; then
     fi
 fi
 
+echo "[gpu-check] step 5: two stages on device 0 split it"
+if timeout 300 $PY benchmarks/gpu_deploy_check.py "$OUT_DIR" 2>&1 | tee "$OUT_DIR/step5.log"; then
+    step5=PASS
+else
+    step5=FAIL
+fi
+
 echo "[gpu-check] step 1 (NVML/CUDA): $([ "$step1" = 0 ] && echo PASS || echo FAIL); step 2 (demo): $step2;" \
-    "step 3 (reserve): $step3; step 4 (live): $step4; $(( $(date +%s) - start )) s"
-[ "$step1" = 0 ] && [ "$step2" != FAIL ] && [ "$step3" != FAIL ] && [ "$step4" != FAIL ]
+    "step 3 (reserve): $step3; step 4 (live): $step4; step 5 (deployment split): $step5;" \
+    "$(( $(date +%s) - start )) s"
+[ "$step1" = 0 ] && [ "$step2" != FAIL ] && [ "$step3" != FAIL ] && [ "$step4" != FAIL ] && [ "$step5" = PASS ]

@@ -46,6 +46,8 @@ __all__ = [
     "LedgerSession",
     "default_ledger_dir",
     "open_ledger",
+    "process_alive",
+    "this_process",
 ]
 
 LEDGER_DIR_ENV = "KV_BUDGET_LEDGER_DIR"
@@ -88,7 +90,7 @@ def _file_stem(device: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", device)
 
 
-def _alive(pid: int, process_start: float) -> bool:
+def process_alive(pid: int, process_start: float) -> bool:
     """The same process still runs: same pid, same start time, not a zombie
     (a killed engine whose parent died stays a zombie in a container whose
     first process reaps nothing)."""
@@ -99,7 +101,7 @@ def _alive(pid: int, process_start: float) -> bool:
         return False
 
 
-def _this_process() -> tuple[int, float]:
+def this_process() -> tuple[int, float]:
     pid = os.getpid()
     return pid, psutil.Process(pid).create_time()
 
@@ -121,7 +123,7 @@ class LedgerSession:
         earlier one of it), atomically."""
         if reserved_bytes < 0:
             raise ValueError(f"reserved_bytes={reserved_bytes} is negative")
-        pid, start = _this_process()
+        pid, start = this_process()
         mine = Reservation(device, pid, start, engine, reserved_bytes, time.time())
         entries = [*self._entries[device], mine]
         path = self.directory / f"{_file_stem(device)}.json"
@@ -148,7 +150,7 @@ def _read(path: Path, device: str) -> list[Reservation]:
             f"the kv-budget ledger {path} cannot be read ({exc}); remove it once no engine runs on {device}"
         ) from exc
     me = os.getpid()
-    return [e for e in entries if e.pid != me and _alive(e.pid, e.process_start)]
+    return [e for e in entries if e.pid != me and process_alive(e.pid, e.process_start)]
 
 
 @contextlib.contextmanager

@@ -9,12 +9,13 @@ effective value is shown as their minimum.
 from __future__ import annotations
 
 from kv_budget.declare.spec import RowDriver
+from kv_budget.deployment import StageSplit
 from kv_budget.plan.deploy import DeployPlan, DeviceAccount, StageOnDevice, StagePlan
 from kv_budget.plan.planner import Charge, Decision, DeclarationLine, FailureLine, Plan, WorkerBudget
 from kv_budget.plan.reserve import ReservePlan
 from kv_budget.units import format_bytes
 
-__all__ = ["render_plan_table", "infeasible_message", "summary_line", "render_deploy_table",
+__all__ = ["render_plan_table", "render_split", "infeasible_message", "summary_line", "render_deploy_table",
            "deploy_infeasible_message", "render_reserve_table", "reserve_infeasible_message", "render_choices"]
 
 
@@ -46,6 +47,36 @@ def render_plan_table(plan: Plan) -> str:
         f"  -> effective max_num_seqs = {plan.effective_max_num_seqs} ({_effect(plan)}); "
         f"predicted model-local KV at peak {format_bytes(plan.predicted_peak_bytes)}"
     )
+    return "\n".join(lines)
+
+
+def render_split(split: StageSplit, effective_max_num_seqs: int) -> str:
+    """A vLLM-Omni stage's part of its devices: what the other stages'
+    parts are and where each figure came from, the share the split gave
+    it, and which bound it plans against."""
+    if split.final:
+        state = "final: every stage on its devices has planned"
+    else:
+        state = ("provisional until " + ", ".join(s.label() for s in split.waiting_for) + " plan(s); "
+                 "the final split is applied before the first request, lowering only")
+    lines = [f"model-local KV deployment split ({split.split_rule}), {state}:"]
+    for device in split.devices:
+        if device.headroom_bytes is not None:
+            where = f"operator's headroom outside the pools {format_bytes(device.headroom_bytes)}"
+        else:
+            where = f"capacity {format_bytes(device.capacity_bytes)} [{device.capacity_source}]"
+        lines.append(f"  device {device.device}: {where}")
+        for part in device.set_aside:
+            lines.append(f"    set aside for {part.stage}: {part.what} {format_bytes(part.bytes)} [{part.source}]")
+        lines.append(f"    left for the declaring stages' per-sequence KV: {format_bytes(device.left_for_per_seq_bytes)}")
+        share = "none (nothing per sequence)" if device.share_bytes is None else format_bytes(device.share_bytes)
+        lines.append(f"    this stage's share: {share}; with its fixed part {format_bytes(device.split_bytes)} "
+                     f"[{device.split_source}]")
+        if device.measured_room_bytes is not None:
+            lines.append(f"    its own headroom less the others' parts: {format_bytes(device.measured_room_bytes)} "
+                         f"[{device.measured_source}]")
+        lines.append(f"    -> plans against {format_bytes(device.room_bytes)} ({device.binding})")
+    lines.append(f"  -> max_num_seqs under this split: {effective_max_num_seqs}")
     return "\n".join(lines)
 
 

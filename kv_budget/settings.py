@@ -93,6 +93,12 @@ class ModelLocalKVSettings(BaseModel):
     engines that start later (stages of one deployment on one GPU); None:
     whatever the engines already running left."""
 
+    device_memory_bytes: int | None = None
+    """In a vLLM-Omni deployment: the size of each device its stages use,
+    where it cannot be measured (vLLM's CPU build has no device size); the
+    driver splits the device between the stages from it. None: measured
+    (NVML), or no split where nothing can be measured."""
+
     sample_interval_s: float = DEFAULT_SAMPLE_INTERVAL_S
     """Seconds between live samples of model-local KV while serving
     (:mod:`kv_budget.watch.live`); 0 turns live sampling off."""
@@ -212,6 +218,13 @@ SETTINGS: tuple[Setting, ...] = (
         "share_bytes", "--model-local-kv-share", "SIZE",
         "This engine's share of the device headroom (e.g. 4GiB), leaving the rest to engines that "
         "start later on the same device. Default: whatever the engines already running left.",
+        _read_bytes, flag_type=byte_size_argument,
+    ),
+    Setting(
+        "device_memory_bytes", "--model-local-kv-device-memory", "SIZE",
+        "vLLM-Omni only: the size of each device the deployment's stages share, where it cannot be measured "
+        "(vLLM's CPU build); the stages on a device split what vLLM-Omni's admission terms leave of it. "
+        "Default: measured by NVML on CUDA; elsewhere no split unless this or the headroom is given.",
         _read_bytes, flag_type=byte_size_argument,
     ),
     Setting(

@@ -7,9 +7,13 @@ everything between is here, as two calls:
   override -> sample -> budget, returned as plain JSON data (it crosses a
   process boundary, vLLM's ``collective_rpc``);
 * :func:`plan_startup`, in the engine core, with every worker's result:
-  failures and overrides checked -> the device ledger -> the plan -> the
-  report (the log table, the report file). The glue then applies the plan:
-  the cap on ``scheduler_config``, then live sampling.
+  failures and overrides checked -> the device ledger (and, in a vLLM-Omni
+  stage, its deployment's record: :class:`DeploymentPlanning`) -> the plan
+  -> the report (the log table, the report file). The glue then applies the
+  plan: the cap on ``scheduler_config``, then live sampling.
+* :func:`final_deployment_plan`, in a stage that planned before the others
+  on its devices: once they have recorded, the plan under the final split,
+  for the glue to apply before the first request.
 
 Policy ``reserve`` uses the same worker call without sampling, then
 :func:`record_in_ledger` and :func:`report_reserve` for its own plan
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections import Counter
 from pathlib import Path
@@ -29,6 +34,15 @@ from typing import Any
 
 from kv_budget.collect.model import collect_model_local_kv_specs
 from kv_budget.collect.supplied import SuppliedDeclarationsError, supplied_collection, with_supplied
+from kv_budget.deployment import (
+    DEPLOYMENT_ENV,
+    DeploymentError,
+    DeploymentRecord,
+    StageSplit,
+    read_deployment,
+    record_stage,
+    split_for,
+)
 from kv_budget.ledger import default_ledger_dir, open_ledger
 from kv_budget.override import (
     OverrideError,
@@ -49,10 +63,11 @@ from kv_budget.plan.planner import (
     headroom_from_free,
     headroom_override,
     make_plan,
+    safe_max_num_seqs,
     shared_budget,
 )
 from kv_budget.plan.reserve import ReservePlan
-from kv_budget.report import infeasible_message, render_plan_table, render_reserve_table
+from kv_budget.report import infeasible_message, render_plan_table, render_reserve_table, render_split
 from kv_budget.sample.device import MemorySamplingError, device_identity, sample_memory
 from kv_budget.settings import LEDGER_OFF, ModelLocalKVSettings, Policy
 from kv_budget.stage import Stage, stage_file_name
@@ -62,6 +77,7 @@ logger = logging.getLogger("vllm.kv_budget")
 
 __all__ = [
     "NO_HEADROOM_UNDER_RESERVE",
+    "DeploymentPlanning",
     "ModelLocalKVInfeasibleError",
     "ModelLocalKVOverrideError",
     "ModelLocalKVPlanningError",
@@ -69,6 +85,7 @@ __all__ = [
     "checked_results",
     "unmatched_on_every_worker",
     "engine_label",
+    "final_deployment_plan",
     "ledger_directory",
     "plan_startup",
     "record_in_ledger",
@@ -204,14 +221,16 @@ def unmatched_on_every_worker(results: list[dict]) -> list[str]:
 
 def plan_startup(
     results: list[dict], settings: ModelLocalKVSettings, configured: int, label: str, vllm_figures: dict,
-    started: float, stage: Stage | None = None,
+    started: float, stage: Stage | None = None, deployment: DeploymentPlanning | None = None,
 ) -> Plan | None:
     """Plan from every worker's :func:`checked_results`: against the device
-    ledger, the minimum over workers, logged as a table with its timing
-    (from ``started``, a ``perf_counter`` reading) and written to the
-    report file (:func:`report_file`, with ``stage``). Raises :class:`ModelLocalKVInfeasibleError` when nothing
-    fits under ``cap``, or when a device could not be measured under
-    ``cap``; under ``warn`` the latter logs and returns None."""
+    ledger (and ``deployment``'s split, in a vLLM-Omni stage), the minimum
+    over workers, logged as a table with its timing (from ``started``, a
+    ``perf_counter`` reading) and written to the report file
+    (:func:`report_file`, with ``stage``). Raises
+    :class:`ModelLocalKVInfeasibleError` when nothing fits under ``cap``,
+    or when a device could not be measured under ``cap``; under ``warn`` the
+    latter logs and returns None."""
     errors = [f"rank {r['rank']}: {r['error']}" for r in results if r["error"]]
     if errors:
         message = (
@@ -223,12 +242,17 @@ def plan_startup(
         logger.warning("%s; policy warn: max_num_seqs left at %d", message, configured)
         return None
     workers = [WorkerBudget.model_validate(r["budget"]) for r in results]
-    plan = _plan_on_shared_devices(workers, [r.get("device") for r in results], settings, configured, label)
+    devices = [r.get("device") for r in results]
+    plan = _plan_on_shared_devices(workers, devices, settings, configured, label, deployment)
     seconds = time.perf_counter() - started
+    split = deployment.split if deployment is not None else None
     if any(worker.declarations or worker.failures for worker in plan.workers):
         _log_vllm(vllm_figures)
         for line in render_plan_table(plan).splitlines():
             logger.info("%s", line)
+        if split is not None:
+            for line in render_split(split, plan.effective_max_num_seqs).splitlines():
+                logger.info("%s", line)
         logger.info("kv-budget: collect + sample + plan took %.3f s over %d worker(s)", seconds, len(workers))
     else:
         # One line: in a deployment of many stages most declare nothing.
@@ -236,10 +260,50 @@ def plan_startup(
                     "(%.3f s over %d worker(s))", configured, seconds, len(workers))
     if settings.report_path:
         write_report(report_file(settings, stage), {**plan.model_dump(mode="json"), "plugin_seconds": seconds,
-                                                    "worker_seconds": [r["seconds"] for r in results]},
+                                                    "worker_seconds": [r["seconds"] for r in results],
+                                                    "deployment": _split_json(split)},
                      vllm_figures, stage)
     if plan.decision is Decision.INFEASIBLE:
         raise ModelLocalKVInfeasibleError(infeasible_message(plan))
+    if deployment is not None:
+        deployment.devices = devices
+        deployment.ledger = plan.ledger
+    return plan
+
+
+def _split_json(split: StageSplit | None) -> dict | None:
+    return None if split is None else split.model_dump(mode="json")
+
+
+def final_deployment_plan(deployment: DeploymentPlanning, settings: ModelLocalKVSettings, configured: int,
+                          label: str, vllm_figures: dict) -> Plan | None:
+    """The plan under ``deployment``'s final split, once every stage on its
+    devices has recorded; None while some have not. It is logged, recorded
+    in the device ledger in place of the provisional one, and written to
+    the report file; under ``cap`` the glue lowers the live limit to it
+    before the first request."""
+    workers = deployment.final()
+    if workers is None:
+        return None
+    plan = make_plan(workers, configured, settings.policy)
+    if settings.ledger_dir != LEDGER_OFF and plan.decision is not Decision.INFEASIBLE:
+        keys = [device or "" for device in deployment.devices]
+        recorded = []
+        with open_ledger(ledger_directory(settings), keys) as ledger:
+            for device in sorted(set(keys)):
+                peak = sum(w.uncharged_fixed_bytes + w.per_seq_bytes * plan.effective_max_num_seqs
+                           for w, key in zip(workers, keys) if key == device)
+                mine = ledger.record(device, label, peak)
+                recorded.append(ReservationLine(device=device, engine=label, pid=mine.pid, reserved_bytes=peak))
+        others = deployment.ledger.others if deployment.ledger is not None else []
+        plan = plan.model_copy(update={"ledger": LedgerLine(directory=str(ledger_directory(settings)),
+                                                            others=others, recorded=recorded)})
+    for line in render_split(deployment.split, plan.effective_max_num_seqs).splitlines():
+        logger.info("%s", line)
+    if settings.report_path:
+        write_report(report_file(settings, deployment.stage),
+                     {**plan.model_dump(mode="json"), "deployment": _split_json(deployment.split)},
+                     vllm_figures, deployment.stage)
     return plan
 
 
@@ -290,9 +354,89 @@ def ledger_directory(settings: ModelLocalKVSettings) -> Path:
     return Path(settings.ledger_dir) if settings.ledger_dir else default_ledger_dir()
 
 
+class DeploymentPlanning:
+    """This stage's side of its vLLM-Omni deployment's record
+    (:mod:`kv_budget.deployment`): it records what its workers found, plans
+    against the split, and re-reads the record until the split is final."""
+
+    def __init__(self, path: Path, record: DeploymentRecord, stage: Stage) -> None:
+        self.path = path
+        self.stage = stage
+        self.physical = record.devices_of(stage)
+        self.split: StageSplit | None = None
+        self.workers: list[WorkerBudget] = []
+        """Its workers' budgets against their own headroom, before the split."""
+        self.devices: list[str | None] = []
+        """The workers' device ledger keys."""
+        self.ledger: LedgerLine | None = None
+        """What the device ledger said at its plan (the final plan keeps its others)."""
+
+    @classmethod
+    def of_this_process(cls, stage: Stage | None) -> DeploymentPlanning | None:
+        """The deployment the driver recorded (:data:`DEPLOYMENT_ENV`), when
+        it lists ``stage`` among those that plan; None otherwise. A record
+        that cannot be read logs one warning: the stage then plans alone."""
+        path = os.environ.get(DEPLOYMENT_ENV)
+        if stage is None or not path:
+            return None
+        try:
+            record = read_deployment(Path(path))
+        except DeploymentError as exc:
+            logger.warning("kv-budget: %s; %s plans against its own headroom and the device ledger only",
+                           exc, stage.label())
+            return None
+        return cls(Path(path), record, stage) if stage in record.planning else None
+
+    def pids(self) -> set[int]:
+        """The stage processes of this deployment that recorded: their
+        ledger entries are counted by the split, not as other engines."""
+        return {entry.pid for entry in read_deployment(self.path).planned}
+
+    def physical_device(self, rank: int) -> int:
+        return self.physical[min(rank, len(self.physical) - 1)]
+
+    def plan_against(self, workers: list[WorkerBudget]) -> list[WorkerBudget]:
+        """Record this stage (its binding worker's declarations, the
+        headroom each device gave its workers) and return the workers with
+        the split's room as their headroom."""
+        measured: dict[int, int] = {}
+        for worker in workers:
+            device = self.physical_device(worker.rank)
+            measured[device] = min(measured.get(device, worker.headroom.bytes), worker.headroom.bytes)
+        binding = max(workers, key=lambda w: (w.per_seq_bytes, w.uncharged_fixed_bytes, -w.rank))
+        record = record_stage(self.path, self.stage, binding, measured, binding.headroom.source)
+        self.workers = workers
+        return self._against(record)
+
+    def final(self) -> list[WorkerBudget] | None:
+        """The workers under the final split; None while a stage on its
+        devices has not recorded."""
+        record = read_deployment(self.path)
+        if record.waiting_for(self.stage):
+            return None
+        return self._against(record)
+
+    def _against(self, record: DeploymentRecord) -> list[WorkerBudget]:
+        self.split = split_for(record, self.stage)
+        placed = []
+        for worker in self.workers:
+            part = self.split.room_on(self.physical_device(worker.rank))
+            text = (f"{self.stage.label()}: the smaller of its deployment split on device {part.device} "
+                    f"({part.split_bytes:,} B) and its own headroom less the other stages' parts "
+                    f"({'n/a' if part.measured_room_bytes is None else f'{part.measured_room_bytes:,} B'}): "
+                    f"{part.binding}{'' if self.split.final else ' (provisional: waiting for ' + ', '.join(s.label() for s in self.split.waiting_for) + ')'}")
+            headroom = worker.headroom.model_copy(update={"bytes": part.room_bytes, "source": text})
+            placed.append(worker.model_copy(update={
+                "headroom": headroom,
+                "safe_max_num_seqs": safe_max_num_seqs(part.room_bytes, worker.uncharged_fixed_bytes,
+                                                       worker.per_seq_bytes),
+            }))
+        return placed
+
+
 def _plan_on_shared_devices(
     workers: list[WorkerBudget], devices: list[str | None], settings: ModelLocalKVSettings, configured: int,
-    label: str,
+    label: str, deployment: DeploymentPlanning | None = None,
 ) -> Plan:
     """Plan against the device ledger: under its lock, take off each
     worker's headroom what other live engines reserved on its device (and
@@ -300,26 +444,36 @@ def _plan_on_shared_devices(
     predicted peak per device, so an engine that plans later cannot count
     the same bytes. Workers that share one device (the CPU build's host)
     split the others' reservations and the share between them, as they
-    split the headroom. With the ledger off, only the share applies."""
+    split the headroom. In a vLLM-Omni deployment the other stages of it
+    are not "other engines": the deployment's split counts them
+    (:class:`DeploymentPlanning`), still under the ledger's lock. With the
+    ledger off, only the share and the split apply."""
     if settings.ledger_dir == LEDGER_OFF:
         if settings.share_bytes is not None:
             workers = [shared_budget(w, 0, "", settings.share_bytes) for w in workers]
+        if deployment is not None:
+            workers = deployment.plan_against(workers)
         return make_plan(workers, configured, settings.policy)
     directory = ledger_directory(settings)
     keys = [device or "" for device in devices]
     per_device = Counter(keys)
     with open_ledger(directory, keys) as ledger:
+        same_deployment = deployment.pids() if deployment is not None else set()
+        others_of = {device: [o for o in ledger.others(device) if o.pid not in same_deployment]
+                     for device in per_device}
         shared = []
         for worker, device in zip(workers, keys):
-            others = ledger.others(device)
+            others = others_of[device]
             named = ", ".join(f"{o.engine}: {o.reserved_bytes:,} B" for o in others)
             share = None if settings.share_bytes is None else settings.share_bytes // per_device[device]
             taken = sum(o.reserved_bytes for o in others) // per_device[device]
             shared.append(shared_budget(worker, taken, named, share))
+        if deployment is not None:
+            shared = deployment.plan_against(shared)
         plan = make_plan(shared, configured, settings.policy)
         others_lines = [
             ReservationLine(device=o.device, engine=o.engine, pid=o.pid, reserved_bytes=o.reserved_bytes)
-            for device in per_device for o in ledger.others(device)
+            for device in per_device for o in others_of[device]
         ]
         recorded = []
         if plan.decision is not Decision.INFEASIBLE:

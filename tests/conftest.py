@@ -75,3 +75,15 @@ def request_checkpoint(tmp_path_factory) -> Path:
     from kv_budget_demo.checkpoint import write_demo_checkpoint
 
     return write_demo_checkpoint(tmp_path_factory.mktemp("request") / "checkpoint", {"lifetime": "request"})
+
+
+@pytest.fixture(scope="module")
+def deploy_dir() -> Path:
+    """vLLM-Omni 0.30.0's shipped deploy files, from its wheel
+    (``peers.vllm_omni.files``); skipped where the wheel cannot be had."""
+    from peers.vllm_omni.files import OmniFilesUnavailable, omni_root
+
+    try:
+        return omni_root() / "vllm_omni" / "deploy"
+    except OmniFilesUnavailable as exc:
+        pytest.skip(f"vLLM-Omni's files are unavailable: {exc}")

@@ -24,7 +24,7 @@ from kv_budget.plan.deploy import StageDeclarations, plan_deploy
 from kv_budget.plan.deploy_file import DeployError, load_deploy
 from kv_budget.plan.planner import Decision
 from kv_budget.units import GiB, MiB
-from peers.vllm_omni.files import OmniFilesUnavailable, import_omni_module, omni_root
+from peers.vllm_omni.files import OmniFilesUnavailable, import_omni_module
 
 QWEN3_TTS_PER_SEQ = 2 * (2 * 8 * 16 * 64 * 71 * 2)
 """Two bfloat16 rows (retained + working copy) of 8 layers x 16 kv heads x
@@ -45,14 +45,6 @@ def run(*args):
         except SystemExit as exc:  # argparse's usage errors
             code = exc.code
     return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
-
-
-@pytest.fixture(scope="module")
-def deploy_dir() -> Path:
-    try:
-        return omni_root() / "vllm_omni" / "deploy"
-    except OmniFilesUnavailable as exc:
-        pytest.skip(f"vLLM-Omni's files are unavailable: {exc}")
 
 
 @pytest.fixture(scope="module")

@@ -35,6 +35,7 @@ FLOW = (
     ("kv_budget.sample",),
     ("kv_budget.ledger",),
     ("kv_budget.plan",),
+    ("kv_budget.deployment",),
     ("kv_budget.watch",),
     ("kv_budget.report",),
     ("kv_budget.audit", "kv_budget.startup", "kv_budget.cli"),

@@ -20,6 +20,7 @@ from kv_budget.watch.metrics import (
     METRICS,
     METRICS_BY_NAME,
     VERDICTS,
+    label_names,
     status_samples,
 )
 from kv_budget.watch.status import EngineStatus, read_status, write_status
@@ -199,9 +200,14 @@ def test_live_figures_per_owner_rank_and_engine(live_status):
     assert sum(verdicts.values()) == 6
 
 
+DEPLOYMENT_METRICS = {name for name in METRICS_BY_NAME if name.startswith("kv_budget:deployment_")}
+"""A vLLM-Omni stage's only (test_a_stages_deployment_split_is_published)."""
+
+
 def test_every_sample_carries_exactly_its_specs_labels(live_status):
     samples = status_samples(live_status)
-    assert {s.name for s in samples} == set(METRICS_BY_NAME)  # a live capped plan fills every gauge
+    # a live capped plan of a plain engine fills every gauge but a deployment's
+    assert {s.name for s in samples} == set(METRICS_BY_NAME) - DEPLOYMENT_METRICS
     for sample in samples:
         assert tuple(sample.labels) == METRICS_BY_NAME[sample.name].labels
         assert all(isinstance(v, str) and v for v in sample.labels.values())
@@ -228,3 +234,39 @@ def test_figures_beyond_64_bits_survive_the_status_file_and_render(tmp_path):
     assert value(samples, "kv_budget:headroom_bytes", rank="0") == float(2**64 + 5)
     assert value(samples, "kv_budget:declaration_peak_bytes", rank="0", owner="talker", name="huge") == 2.0**64
     assert all(isinstance(s.value, float) for s in samples)
+
+
+def test_a_stages_deployment_split_is_published_per_device_and_other_stage(plan, tmp_path):
+    """Stage 0 of two on device 0 (0.25 each of 4,288 MiB), both declaring
+    the plan's figures, stage 1 recorded: the split through the status file."""
+    from kv_budget.deployment import DeploymentRecord, create_deployment, record_stage, split_for
+    from kv_budget.ledger import this_process
+    from kv_budget.plan.deploy_file import load_deploy
+    from kv_budget.stage import Stage
+
+    stages = "".join(f"  - {{stage_id: {sid}, devices: '0', gpu_memory_utilization: 0.25, max_num_seqs: 16, "
+                     "enforce_eager: true}\n" for sid in (0, 1))
+    (tmp_path / "deploy.yaml").write_text("stages:\n" + stages)
+    deploy = load_deploy(tmp_path / "deploy.yaml")
+    pid, start = this_process()
+    planning = [Stage(stage_id=0, replica=0), Stage(stage_id=1, replica=0)]
+    path = create_deployment(tmp_path / "deployment.json", DeploymentRecord(
+        driver_pid=pid, driver_start=start, stages=deploy.stages, planning=planning,
+        capacities={0: 4288 * 2**20}, capacity_sources={0: "given"}, headrooms={}))
+    for stage in planning:
+        record = record_stage(path, stage, plan.workers[0], {0: 10**15}, "test")
+    split = split_for(record, planning[0])
+    staged = EngineStatus(engine_index=0, model="/models/demo", pid=4242, updated_unix_s=1.0, plan=plan,
+                          stage=planning[0], deployment=split)
+    samples = status_samples(read_status(write_status(tmp_path / "status", staged)))
+    assert DEPLOYMENT_METRICS <= {s.name for s in samples}
+    base = {"model_name": "/models/demo", "stage": "0", "replica": "0", "device": "0"}
+    assert value(samples, "kv_budget:deployment_split_final", stage="0") == 1
+    assert value(samples, "kv_budget:deployment_left_bytes", **base) == split.devices[0].left_for_per_seq_bytes
+    assert value(samples, "kv_budget:deployment_share_bytes", **base) == split.devices[0].left_for_per_seq_bytes // 2
+    assert value(samples, "kv_budget:deployment_set_aside_bytes", **base, other_stage="1",
+                 part="admission_terms") == 4288 * 2**20 // 4
+    assert value(samples, "kv_budget:deployment_binding_info", **base, binding="deployment split") == 1
+    assert value(samples, "kv_budget:deployment_binding_info", **base, binding="measured") == 0
+    for sample in samples:
+        assert tuple(sample.labels) == label_names(METRICS_BY_NAME[sample.name], staged=True)

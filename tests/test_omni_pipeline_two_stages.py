@@ -11,14 +11,23 @@ One pipeline start, configured through every path an operator has besides
 the flags (tests/test_omni_serve.py has those):
 
 * ``Omni(additional_config={"model_local_kv": ...})``, the deployment-wide
-  settings: policy ``warn``, 96 MiB, one report path, a ledger directory,
-  an unqualified override only stage 1's declarations have;
+  settings: policy ``warn``, 96 MiB of headroom, one report path, a ledger
+  directory, an unqualified override only stage 1's declarations have;
 * ``Omni(model_local_kv_policy=...)``, a keyword, which wins per key over
-  the global ``additional_config``: policy ``warn`` given twice, margin;
-* stage 1's own ``additional_config`` in the deploy file: 64 MiB, which
-  wins over the global 96 MiB, and operator-supplied declarations from a
+  the global ``additional_config``: policy ``cap``, margin 2 GiB;
+* stage 1's own ``additional_config`` in the deploy file: margin 1 GiB,
+  which wins over the keyword, and operator-supplied declarations from a
   spec file;
 * ``Omni(stage_overrides=...)`` for stage 0: a stage-qualified override.
+
+Stage 0 is configured for 64 sequences and stage 1, the larger demand, for
+128: the declaring stage with the larger share plans last. The operator's
+96 MiB is the device's room outside the pools, and the two stages split it
+by the rule ``kv-budget plan --deploy`` documents (per-sequence bytes x
+configured max_num_seqs), worked by hand below; stage 0, which planned
+first and alone, takes its final split before its first request.
+(tests/test_omni_pipeline_shared_device.py has the other order, parallel
+init and a device size.)
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ pytestmark = pytest.mark.omni_pipeline
 
 REQUESTS = 8
 MAX_TOKENS = 8
-STAGE1_HEADROOM = 64 * 2**20
+CONFIGURED = (64, 128)
 SUPPLIED = {"owner": "vocoder", "name": "operator_kv", "layers": 1, "kv_heads": 1, "head_dim": 64,
             "dtype": "float32", "physical_capacity_positions": 128, "capacity_source": "operator spec file",
             "scope": "invocation", "rows": "max_num_seqs"}
@@ -53,15 +62,17 @@ def pipeline(tmp_path_factory):
     spec_file = work / "supplied.json"
     spec_file.write_text(json.dumps([SUPPLIED]))
     stages = [
-        stage(0, MAX_TOKENS, env={"KV_BUDGET_DEMO_STATS_DIR": str(work / "stats" / "stage0")}),
-        stage(1, MAX_TOKENS, env={"KV_BUDGET_DEMO_STATS_DIR": str(work / "stats" / "stage1")},
-              additional_config={"model_local_kv": {"headroom_bytes": "64MiB", "declarations": str(spec_file)}}),
+        stage(0, MAX_TOKENS, max_num_seqs=CONFIGURED[0],
+              env={"KV_BUDGET_DEMO_STATS_DIR": str(work / "stats" / "stage0")}),
+        stage(1, MAX_TOKENS, max_num_seqs=CONFIGURED[1],
+              env={"KV_BUDGET_DEMO_STATS_DIR": str(work / "stats" / "stage1")},
+              additional_config={"model_local_kv": {"margin_bytes": "1GiB", "declarations": str(spec_file)}}),
     ]
-    deployment = {"policy": "cap", "headroom_bytes": "96MiB", "report_path": str(work / "reports" / "plan.json"),
+    deployment = {"policy": "warn", "headroom_bytes": "96MiB", "report_path": str(work / "reports" / "plan.json"),
                   "ledger_dir": str(work / "ledger"), "overrides": [UNQUALIFIED]}
     kwargs = {
         "additional_config": {"model_local_kv": deployment},
-        "model_local_kv_policy": "warn",
+        "model_local_kv_policy": "cap",
         "model_local_kv_margin": "2GiB",
         "stage_overrides": {"0": {"additional_config": {"model_local_kv": {"overrides": [QUALIFIED]}}}},
     }
@@ -91,11 +102,11 @@ def test_kv_budget_planned_in_each_stage_engine_core(pipeline):
 def test_each_stage_got_the_deployment_settings_with_its_own_winning_per_key(pipeline):
     stage0, stage1 = (probe["additional_config"]["model_local_kv"] for probe in pipeline.probes)
     for settings in (stage0, stage1):
-        assert settings["policy"] == "warn"  # the keyword over the global additional_config's cap
-        assert settings["margin_bytes"] == "2GiB"  # a keyword alone
+        assert settings["policy"] == "cap"  # the keyword over the global additional_config's warn
+        assert settings["headroom_bytes"] == "96MiB"  # the global value alone
         assert settings["report_path"].endswith("plan.json")
-    assert stage0["headroom_bytes"] == "96MiB"
-    assert stage1["headroom_bytes"] == "64MiB"  # the stage's own over the global value
+    assert stage0["margin_bytes"] == "2GiB"  # the keyword
+    assert stage1["margin_bytes"] == "1GiB"  # the stage's own over the keyword
     assert stage0["overrides"] == [UNQUALIFIED, QUALIFIED]  # --stage-overrides adds to the global list
     assert stage1["overrides"] == [UNQUALIFIED]
     assert "declarations" not in stage0 and stage1["declarations"].endswith("supplied.json")
@@ -108,13 +119,35 @@ def test_each_stage_writes_its_own_report_named_for_it(pipeline):
     stage1 = pipeline.reports["plan.stage1-replica0.json"]
     assert stage0["stage"] == {"stage_id": 0, "replica": 0}
     assert stage1["stage"] == {"stage_id": 1, "replica": 0}
-    assert (stage0["policy"], stage0["decision"], stage0["headroom_bytes"]) == ("warn", "warned", HEADROOM)
-    # stage 1 planned second on the same device: its own 64 MiB, less what stage 0 recorded in the ledger
-    (stage0_entry,) = stage0["ledger"]["recorded"]
-    assert (stage1["policy"], stage1["decision"]) == ("warn", "warned")
-    assert stage1["headroom_bytes"] == max(0, STAGE1_HEADROOM - stage0_entry["reserved_bytes"])
-    assert stage1["headroom_source"].startswith("--model-local-kv-headroom")
-    assert f"minus {stage0_entry['reserved_bytes']:,} B reserved by other engines" in stage1["headroom_source"]
+    assert (stage0["policy"], stage1["policy"]) == ("cap", "cap")
+
+
+def split_by_hand(per_seq: tuple[int, int]) -> tuple[int, int]:
+    """96 MiB in proportion to per_seq x configured, then floor(share / per_seq)."""
+    demand = [per_seq[i] * CONFIGURED[i] for i in (0, 1)]
+    return tuple(min(CONFIGURED[i], HEADROOM * demand[i] // sum(demand) // per_seq[i]) for i in (0, 1))
+
+
+def test_the_stages_split_the_operators_headroom_whichever_plans_first(pipeline):
+    stage0 = pipeline.reports["plan.stage0-replica0.json"]
+    stage1 = pipeline.reports["plan.stage1-replica0.json"]
+    per_seq = (stage0["per_seq_bytes"], stage1["per_seq_bytes"])
+    assert per_seq == (589_824, 1_245_184)  # checked against the declarations below
+    assert split_by_hand(per_seq) == (32, 65)
+    assert (stage0["effective_max_num_seqs"], stage1["effective_max_num_seqs"]) == (32, 65)
+    assert (stage0["decision"], stage1["decision"]) == ("capped", "capped")
+    for report in (stage0, stage1):
+        (device,) = report["deployment"]["devices"]
+        assert report["deployment"]["final"] and device["headroom_bytes"] == HEADROOM
+        assert device["binding"] == "deployment split"
+    # stage 0 planned alone first: 96 MiB held its configured 64; the final split came before its first request
+    probe0 = next(p for p in pipeline.probes if p["stage_id"] == 0)
+    assert probe0["max_num_seqs_after"] == CONFIGURED[0]
+    (final,) = [line for line in pipeline.output.splitlines()
+                if "[stage 0 replica 0] kv-budget: final deployment split" in line]
+    assert "max_num_seqs 32" in final
+    status0 = next(s for name, s in pipeline.status.items() if "-stage0-" in name)
+    assert status0["plan"]["effective_max_num_seqs"] == 32
 
 
 def test_the_qualified_override_corrected_stage_0_only(pipeline):
@@ -158,14 +191,17 @@ def test_each_stage_has_its_status_file_and_ledger_entry(pipeline):
         (recorded,) = report["ledger"]["recorded"]
         label = f"stage {report['stage']['stage_id']} replica 0"
         assert recorded["engine"].endswith(label), recorded
-    # stage 1 planned after stage 0 on the same device: it saw stage 0's entry
-    (other,) = pipeline.reports["plan.stage1-replica0.json"]["ledger"]["others"]
-    assert other["engine"].endswith("stage 0 replica 0")
+    # stage 1 planned after stage 0 on the same device: the split, not the ledger, counts stage 0
+    stage1 = pipeline.reports["plan.stage1-replica0.json"]
+    assert stage1["ledger"]["others"] == []
+    (other,) = stage1["deployment"]["devices"][0]["set_aside"]
+    assert (other["stage"], other["what"]) == ("stage 0 replica 0", "model-local KV")
+    assert other["bytes"] == 32 * 589_824
 
 
 def test_the_log_lines_name_their_stage(pipeline):
     for stage_id in (0, 1):
-        assert pipeline.output.count(f"[stage {stage_id} replica 0] model-local KV plan: policy=warn") == 1
+        assert pipeline.output.count(f"[stage {stage_id} replica 0] model-local KV plan: policy=cap") == 1
         assert f"[stage {stage_id} replica 0] kv-budget: startup plan written to" in pipeline.output
 
 

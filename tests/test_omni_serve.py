@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from engine_support import CAP, HEADROOM, PER_SEQ
+from engine_support import HEADROOM, PER_SEQ
 from omni_pipeline_support import write_deploy
 
 from kv_budget_demo.serving import ApiServer, send_completions
@@ -39,6 +39,18 @@ QUALIFIED = "1:talker/talker_step_kv:physical_capacity_positions=128"
 drop by half a talker row, so its cap differs from stage 0's."""
 TALKER_ROW = 2 * 4 * 2 * 64 * 256 * 4
 STAGE1_PER_SEQ = PER_SEQ - TALKER_ROW // 2
+
+
+def split_by_hand(per_seq: tuple[int, int]) -> dict[tuple[str, str], int]:
+    """The two stages (256 configured each) on one device split the 96 MiB
+    in proportion to their per-sequence bytes: floor(share / per_seq)."""
+    return {(str(sid), "0"): HEADROOM * per_seq[sid] // sum(per_seq) // per_seq[sid] for sid in (0, 1)}
+
+
+SPLIT_ONE = split_by_hand((PER_SEQ, STAGE1_PER_SEQ))
+"""(59, 59): 96 MiB / (1,114,112 + 589,824) B, each share in proportion."""
+SPLIT_TWO = split_by_hand((PER_SEQ, PER_SEQ))
+"""(45, 45): half of 96 MiB each, over 1,114,112 B."""
 
 
 @dataclass
@@ -112,10 +124,11 @@ def test_the_flags_reached_both_stages(server):
     reports = server["reports"]
     assert sorted(reports) == ["plan.stage0-replica0.json", "plan.stage1-replica0.json"], server["log"][-3000:]
     for report in reports.values():
-        assert (report["policy"], report["headroom_bytes"], report["decision"]) == ("cap", HEADROOM, "capped")
-    assert reports["plan.stage0-replica0.json"]["effective_max_num_seqs"] == CAP
+        assert (report["policy"], report["decision"]) == ("cap", "capped")
+        assert report["deployment"]["devices"][0]["headroom_bytes"] == HEADROOM  # the device's, split
     assert reports["plan.stage1-replica0.json"]["per_seq_bytes"] == STAGE1_PER_SEQ
-    assert reports["plan.stage1-replica0.json"]["effective_max_num_seqs"] == HEADROOM // STAGE1_PER_SEQ
+    assert {(str(sid), "0"): reports[f"plan.stage{sid}-replica0.json"]["effective_max_num_seqs"]
+            for sid in (0, 1)} == SPLIT_ONE == {("0", "0"): 59, ("1", "0"): 59}
 
 
 def test_each_stage_has_its_own_status_file(server):
@@ -127,11 +140,18 @@ def test_each_stage_has_its_own_status_file(server):
 def test_metrics_carry_one_set_of_kv_budget_series_per_stage_labelled_as_vllm_omni_labels(server):
     metrics = server["metrics"]
     startup = series(metrics, "kv_budget:startup_max_num_seqs")
-    assert startup == {("0", "0"): CAP, ("1", "0"): HEADROOM // STAGE1_PER_SEQ}, metrics[-3000:]
+    assert startup == SPLIT_ONE, metrics[-3000:]
     assert series(metrics, "kv_budget:configured_max_num_seqs") == {("0", "0"): 256, ("1", "0"): 256}
     per_seq = {key: value for key, value in series(metrics, "kv_budget:per_sequence_bytes").items()}
     assert per_seq == {("0", "0"): PER_SEQ, ("1", "0"): STAGE1_PER_SEQ}
     assert 'engine="' not in "\n".join(line for line in metrics.splitlines() if line.startswith("kv_budget:"))
+    # each stage's part of device 0: final, its share of the 96 MiB, the other stage's part
+    assert series(metrics, "kv_budget:deployment_split_final") == {("0", "0"): 1, ("1", "0"): 1}
+    shares = series(metrics, "kv_budget:deployment_share_bytes")
+    assert shares == {("0", "0"): HEADROOM * PER_SEQ // (PER_SEQ + STAGE1_PER_SEQ),
+                      ("1", "0"): HEADROOM * STAGE1_PER_SEQ // (PER_SEQ + STAGE1_PER_SEQ)}
+    assert series(metrics, "kv_budget:deployment_set_aside_bytes") == {
+        ("0", "0"): SPLIT_ONE[("1", "0")] * STAGE1_PER_SEQ, ("1", "0"): SPLIT_ONE[("0", "0")] * PER_SEQ}
     # vLLM-Omni's own per-stage series carry the same labels, with the same values
     assert ("0", "0") in series(metrics, "vllm:estimated_flops_per_gpu_total") \
         and ("1", "0") in series(metrics, "vllm:estimated_flops_per_gpu_total"), metrics[-3000:]
@@ -141,11 +161,12 @@ def test_with_two_api_servers_the_stages_plan_and_the_check_across_stages_runs(s
     served = servers["served"]
     assert served.completed == REQUESTS, (served.errors[:3], servers["log"][-3000:])
     assert sorted(servers["reports"]) == ["plan.stage0-replica0.json", "plan.stage1-replica0.json"]
-    assert all(r["effective_max_num_seqs"] == CAP for r in servers["reports"].values())
+    assert {(str(r["stage"]["stage_id"]), "0"): r["effective_max_num_seqs"] for r in servers["reports"].values()} \
+        == SPLIT_TWO == {("0", "0"): 45, ("1", "0"): 45}
     assert f"kv-budget: override(s) '{UNQUALIFIED}' checked across 2 stage(s)" in servers["log"]
 
 
 def test_with_two_api_servers_metrics_carry_each_stages_series(servers):
     metrics = servers["metrics"]
-    assert series(metrics, "kv_budget:startup_max_num_seqs") == {("0", "0"): CAP, ("1", "0"): CAP}, metrics[-3000:]
+    assert series(metrics, "kv_budget:startup_max_num_seqs") == SPLIT_TWO, metrics[-3000:]
     assert series(metrics, "kv_budget:per_sequence_bytes") == {("0", "0"): PER_SEQ, ("1", "0"): PER_SEQ}

@@ -54,9 +54,20 @@ Semantics (docs/deploy.md walks through them with the shipped files):
   ``floor(share / per_seq)``; a stage on several devices takes its minimum.
   Proportional shares keep the ratio the deploy file chose between stages,
   rather than letting whichever stage is planned first take everything.
+* **An operator's headroom** for a device (``headrooms``: the room the
+  device has outside the stages' pools, as ``--model-local-kv-headroom``
+  gives it in a running deployment) replaces the admission terms there:
+  left = headroom - every stage's uncharged fixed model-local KV, split by
+  the same rule. The capacity is then optional; vLLM-Omni's own test is
+  only made where it is known.
 * **fits** (per device) is false when vLLM-Omni's own test fails (required >
   capacity), when the uncharged fixed model-local KV does not fit, or when a
   declaring stage's safe ``max_num_seqs`` there is 0.
+
+Declarations come either as a preset or spec file (:class:`StageDeclarations`,
+``kv-budget plan --deploy``) or as a stage's own budget, already split
+(:class:`StageBudget`: a running stage records the one its workers made);
+both give the same figures for the same declarations.
 
 Every figure is integer bytes. Nothing here imports vLLM or vLLM-Omni.
 """
@@ -78,6 +89,7 @@ from kv_budget.plan.planner import (
     budget_worker,
     headroom_override,
     make_plan,
+    safe_max_num_seqs,
 )
 from kv_budget.settings import Policy
 from kv_budget.units import GiB
@@ -87,6 +99,7 @@ __all__ = [
     "SAFETY_MARGIN_BYTES",
     "SPLIT_RULE",
     "StageDeclarations",
+    "StageBudget",
     "StageOnDevice",
     "DeviceAccount",
     "StagePlan",
@@ -114,6 +127,17 @@ class StageDeclarations:
     stage_id: int
     source: str
     collection: Collection
+
+
+@dataclass(frozen=True)
+class StageBudget:
+    """One stage's model-local KV already split (charged / fixed / per
+    sequence, :func:`kv_budget.plan.planner.budget_worker`): what a running
+    stage knows of itself, from its own workers, and records for the others."""
+
+    stage_id: int
+    source: str
+    budget: WorkerBudget
 
 
 class StageOnDevice(BaseModel):
@@ -153,8 +177,14 @@ class DeviceAccount(BaseModel):
     """One device: vLLM-Omni's admission terms, then model-local KV."""
 
     device: int
-    capacity_bytes: int
+    capacity_bytes: int | None
+    """None only where an operator's headroom stands for the device."""
+
     capacity_source: str
+    headroom_bytes: int | None = None
+    """The operator's room outside the pools; None: the admission terms decide."""
+
+    headroom_source: str | None = None
     stages: list[StageOnDevice]
     requested_bytes: int
     """Sum of the stages' ``int(capacity x gpu_memory_utilization)``."""
@@ -167,7 +197,8 @@ class DeviceAccount(BaseModel):
     left-hand side."""
 
     admission_fits: bool
-    """vLLM-Omni's own test, ``required <= capacity``."""
+    """vLLM-Omni's own test, ``required <= capacity`` (true where the
+    capacity is not known: an operator's headroom stands for it)."""
 
     kv_cache_excess_bytes: int
     charged_bytes: int
@@ -176,9 +207,10 @@ class DeviceAccount(BaseModel):
 
     uncharged_fixed_bytes: int
     left_for_per_seq_bytes: int
-    """capacity - required - kv_cache excess - uncharged fixed: what the
-    per-sequence KV of the declaring stages must fit. Negative when even the
-    fixed part does not fit."""
+    """capacity - required - kv_cache excess - uncharged fixed (or the
+    operator's headroom - uncharged fixed): what the per-sequence KV of the
+    declaring stages must fit. Negative when even the fixed part does not
+    fit."""
 
     per_seq_demand_bytes: int
     """Sum of per_seq x configured max_num_seqs of the stages here."""
@@ -188,9 +220,9 @@ class DeviceAccount(BaseModel):
     fixed + per_seq x effective."""
 
     free_bytes: int
-    """capacity - required - kv_cache excess - model_local_bytes: what
-    stays unclaimed with the plan applied (negative: over-committed, as under
-    ``warn`` when the configured values do not fit)."""
+    """left + uncharged fixed - model_local_bytes: what stays unclaimed with
+    the plan applied (negative: over-committed, as under ``warn`` when the
+    configured values do not fit)."""
 
     fits: bool
 
@@ -250,48 +282,50 @@ def requested_bytes(capacity_bytes: int, gpu_memory_utilization: float) -> int:
 def plan_deploy(
     deploy: DeployFile,
     capacities: Mapping[int, int],
-    declarations: Mapping[int, StageDeclarations] | None = None,
+    declarations: Mapping[int, StageDeclarations | StageBudget] | None = None,
     policy: Policy | str = Policy.CAP,
     capacity_sources: Mapping[int, str] | None = None,
+    headrooms: Mapping[int, tuple[int, str]] | None = None,
 ) -> DeployPlan:
     """The per-device accounts of ``deploy`` on devices of ``capacities``
-    bytes, with each stage's ``declarations`` charged on its devices.
+    bytes, with each stage's ``declarations`` charged on its devices;
+    ``headrooms`` (device -> (bytes, where they came from)) stand for the
+    admission terms on the devices they name.
 
     Pure arithmetic on integers (no file, no device), like vLLM-Omni's
-    ``evaluate()``. Raises :class:`DeployError` when a device has no size,
-    declarations name a stage the file lacks, or a declaring stage has no
-    ``max_num_seqs``.
+    ``evaluate()``. Raises :class:`DeployError` when a device has neither a
+    size nor a headroom, declarations name a stage the file lacks, or a
+    declaring stage has no ``max_num_seqs``.
     """
     policy = Policy(policy)
-    declarations = dict(declarations or {})
-    used = _check_inputs(deploy, capacities, declarations)
+    headrooms = dict(headrooms or {})
     by_id = {stage.stage_id: stage for stage in deploy.stages}
-    # Each stage's declarations split once (charged / fixed / per sequence):
-    # those figures do not depend on any headroom.
-    splits = {sid: budget_worker(decl.collection, headroom_override(0), max_num_seqs=by_id[sid].max_num_seqs or 1)
-              for sid, decl in declarations.items()}
+    budgets = {sid: _stage_budget(decl, by_id) for sid, decl in (declarations or {}).items()}
+    used = _check_inputs(deploy, capacities, budgets, headrooms)
+    splits = {sid: budget.budget for sid, budget in budgets.items()}
 
     entries: dict[int, list[StageOnDevice]] = {device: [] for device in used}
     for stage in deploy.stages:
         for replica, replica_devices in enumerate(stage.replicas):
             for device in replica_devices:
-                entries[device].append(_stage_on_device(stage, replica, capacities[device],
+                entries[device].append(_stage_on_device(stage, replica, capacities.get(device),
                                                         splits.get(stage.stage_id)))
 
     workers: dict[int, list[WorkerBudget]] = {sid: [] for sid in splits}
     terms = {}
     for device, here in entries.items():
-        terms[device] = _Terms.of(capacities[device], here)
+        terms[device] = _Terms.of(capacities.get(device), here, headrooms.get(device))
         for index, entry in enumerate(here):
             if entry.stage_id in splits and (entry.uncharged_fixed_bytes or entry.per_seq_bytes):
-                here[index], worker = _bound(entry, device, terms[device], declarations[entry.stage_id])
+                here[index], worker = _bound(entry, device, terms[device], splits[entry.stage_id])
                 workers[entry.stage_id].append(worker)
 
-    stages = [_stage_plan(stage, declarations.get(stage.stage_id), splits.get(stage.stage_id),
-                          workers.get(stage.stage_id, []), policy) for stage in deploy.stages]
+    stages = [_stage_plan(stage, budgets.get(stage.stage_id), workers.get(stage.stage_id, []), policy)
+              for stage in deploy.stages]
     effective = {stage.stage_id: stage.effective_max_num_seqs or 0 for stage in stages}
     sources = capacity_sources or {}
-    devices = [_device_account(device, here, terms[device], effective, sources.get(device, "given"))
+    devices = [_device_account(device, here, terms[device], effective, sources.get(device, "given"),
+                               headrooms.get(device))
                for device, here in entries.items()]
     return DeployPlan(
         deploy_file=deploy.path,
@@ -306,29 +340,41 @@ def plan_deploy(
     )
 
 
-def _check_inputs(deploy: DeployFile, capacities: Mapping[int, int],
-                  declarations: Mapping[int, StageDeclarations]) -> list[int]:
+def _stage_budget(decl: StageDeclarations | StageBudget, by_id: Mapping[int, StageDeploy]) -> StageBudget:
+    """Declarations split once (charged / fixed / per sequence): those
+    figures do not depend on any headroom."""
+    if isinstance(decl, StageBudget):
+        return decl
+    stage = by_id.get(decl.stage_id)
+    max_num_seqs = (stage.max_num_seqs if stage else None) or 1
+    return StageBudget(decl.stage_id, decl.source,
+                       budget_worker(decl.collection, headroom_override(0), max_num_seqs=max_num_seqs))
+
+
+def _check_inputs(deploy: DeployFile, capacities: Mapping[int, int], budgets: Mapping[int, StageBudget],
+                  headrooms: Mapping[int, tuple[int, str]]) -> list[int]:
     """The devices the stages use, once every input the plan needs is there."""
     where = deploy.where()
     by_id = {stage.stage_id: stage for stage in deploy.stages}
-    for sid, decl in declarations.items():
+    for sid, budget in budgets.items():
         if sid not in by_id:
-            raise DeployError(f"{where}: declarations for stage {sid} ({decl.source}): the file has stages "
+            raise DeployError(f"{where}: declarations for stage {sid} ({budget.source}): the file has stages "
                               f"{sorted(by_id)}")
-        if decl.collection.specs and by_id[sid].max_num_seqs is None:
+        if budget.budget.declarations and by_id[sid].max_num_seqs is None:
             raise DeployError(
                 f"{where}: stages[stage_id={sid}].max_num_seqs = None: stage {sid} declares model-local KV "
-                f"({decl.source}), which needs its max_num_seqs; vLLM's default depends on the device"
+                f"({budget.source}), which needs its max_num_seqs; vLLM's default depends on the device"
             )
     used = sorted({device for stage in deploy.stages for device in stage.devices})
-    missing = [device for device in used if device not in capacities]
+    missing = [device for device in used if device not in capacities and device not in headrooms]
     if missing:
         raise DeployError(f"{where}: no size for device(s) {missing}; the stages use devices {used}")
     return used
 
 
-def _stage_on_device(stage: StageDeploy, replica: int, capacity: int, split: WorkerBudget | None) -> StageOnDevice:
-    requested = requested_bytes(capacity, stage.gpu_memory_utilization)
+def _stage_on_device(stage: StageDeploy, replica: int, capacity: int | None,
+                     split: WorkerBudget | None) -> StageOnDevice:
+    requested = 0 if capacity is None else requested_bytes(capacity, stage.gpu_memory_utilization)
     per_seq = split.per_seq_bytes if split else 0
     return StageOnDevice(
         stage_id=stage.stage_id,
@@ -353,7 +399,7 @@ def _stage_on_device(stage: StageDeploy, replica: int, capacity: int, split: Wor
 class _Terms:
     """One device's sums: vLLM-Omni's terms, then what they leave."""
 
-    capacity: int
+    capacity: int | None
     requested: int
     graph: int
     required: int
@@ -363,38 +409,38 @@ class _Terms:
     demand: int
 
     @classmethod
-    def of(cls, capacity: int, entries: list[StageOnDevice]) -> _Terms:
+    def of(cls, capacity: int | None, entries: list[StageOnDevice], headroom: tuple[int, str] | None) -> _Terms:
         requested = sum(e.requested_bytes for e in entries)
         graph = sum(e.graph_reserve_bytes for e in entries)
         required = requested + graph + EXTERNAL_RESERVE_BYTES + SAFETY_MARGIN_BYTES
         excess = sum(e.kv_cache_excess_bytes for e in entries)
         fixed = sum(e.uncharged_fixed_bytes for e in entries)
-        return cls(capacity, requested, graph, required, excess, fixed,
-                   left=capacity - required - excess - fixed,
+        room = headroom[0] if headroom is not None else capacity - required - excess
+        return cls(capacity, requested, graph, required, excess, fixed, left=room - fixed,
                    demand=sum(e.per_seq_demand_bytes for e in entries))
 
 
-def _bound(entry: StageOnDevice, device: int, terms: _Terms,
-           decl: StageDeclarations) -> tuple[StageOnDevice, WorkerBudget]:
+def _bound(entry: StageOnDevice, device: int, terms: _Terms, split: WorkerBudget) -> tuple[StageOnDevice, WorkerBudget]:
     """The stage's share of what is left on the device (the split rule) and
     the planner's bound on it there: the share plus the stage's own fixed
-    part is its headroom, so :func:`kv_budget.plan.planner.budget_worker` gives
-    ``floor(share / per_seq)``. When even the fixed parts do not fit, every
-    declaring stage on the device gets less than its fixed part: 0."""
+    part is its headroom, so the bound is ``floor(share / per_seq)``. When
+    even the fixed parts do not fit, every declaring stage on the device
+    gets less than its fixed part: 0."""
     if terms.left < 0:
         share = 0
         headroom = max(entry.uncharged_fixed_bytes + terms.left, 0)
-        source = (f"device {device}: uncharged fixed {terms.fixed:,} B of all stages exceeds what vLLM-Omni's "
-                  f"terms leave ({terms.left + terms.fixed:,} B) by {-terms.left:,} B")
+        source = (f"device {device}: uncharged fixed {terms.fixed:,} B of all stages exceeds what is left for "
+                  f"model-local KV ({terms.left + terms.fixed:,} B) by {-terms.left:,} B")
     else:
         share = terms.left * entry.per_seq_demand_bytes // terms.demand if terms.demand else 0
         headroom = entry.uncharged_fixed_bytes + share
         source = (f"device {device}: own uncharged fixed {entry.uncharged_fixed_bytes:,} B + share "
                   f"{share:,} B = left {terms.left:,} B x demand {entry.per_seq_demand_bytes:,} B / "
                   f"total demand {terms.demand:,} B")
-    worker = budget_worker(decl.collection, headroom_override(headroom, source), rank=device,
-                           max_num_seqs=entry.configured_max_num_seqs or 1)
-    safe = worker.safe_max_num_seqs
+    bound = safe_max_num_seqs(headroom, split.uncharged_fixed_bytes, split.per_seq_bytes)
+    worker = split.model_copy(update={"rank": device, "headroom": headroom_override(headroom, source),
+                                      "safe_max_num_seqs": bound})
+    safe = bound
     if safe is not None and entry.configured_max_num_seqs is not None:
         safe = min(safe, entry.configured_max_num_seqs)
     updated = entry.model_copy(update={
@@ -406,14 +452,16 @@ def _bound(entry: StageOnDevice, device: int, terms: _Terms,
 
 
 def _device_account(device: int, entries: list[StageOnDevice], terms: _Terms, effective: Mapping[int, int],
-                   capacity_source: str) -> DeviceAccount:
+                   capacity_source: str, headroom: tuple[int, str] | None) -> DeviceAccount:
     model_local = sum(e.uncharged_fixed_bytes + e.per_seq_bytes * effective[e.stage_id] for e in entries)
-    admission_fits = terms.required <= terms.capacity
+    admission_fits = terms.capacity is None or terms.required <= terms.capacity
     starved = any(e.safe_max_num_seqs == 0 for e in entries)
     return DeviceAccount(
         device=device,
         capacity_bytes=terms.capacity,
-        capacity_source=capacity_source,
+        capacity_source=capacity_source if terms.capacity is not None else "not known",
+        headroom_bytes=headroom[0] if headroom else None,
+        headroom_source=headroom[1] if headroom else None,
         stages=entries,
         requested_bytes=terms.requested,
         graph_reserve_bytes=terms.graph,
@@ -427,13 +475,13 @@ def _device_account(device: int, entries: list[StageOnDevice], terms: _Terms, ef
         left_for_per_seq_bytes=terms.left,
         per_seq_demand_bytes=terms.demand,
         model_local_bytes=model_local,
-        free_bytes=terms.capacity - terms.required - terms.excess - model_local,
+        free_bytes=terms.left + terms.fixed - model_local,
         fits=admission_fits and terms.left >= 0 and not starved,
     )
 
 
-def _stage_plan(stage: StageDeploy, decl: StageDeclarations | None, split: WorkerBudget | None,
-                workers: list[WorkerBudget], policy: Policy) -> StagePlan:
+def _stage_plan(stage: StageDeploy, decl: StageBudget | None, workers: list[WorkerBudget],
+                policy: Policy) -> StagePlan:
     """A stage's bound: the minimum over its devices, decided by
     :func:`kv_budget.plan.planner.make_plan` under ``policy``."""
     configured = stage.max_num_seqs
@@ -442,9 +490,8 @@ def _stage_plan(stage: StageDeploy, decl: StageDeclarations | None, split: Worke
         constraints.append(Constraint(name="configured max_num_seqs", value=configured,
                                       detail=f"deploy file {stage.max_num_seqs_source}"))
     safe, effective, decision = None, configured, Decision.OK
-    lines: list[DeclarationLine] = []
-    if split is not None:
-        lines = split.declarations
+    split = decl.budget if decl else None
+    lines: list[DeclarationLine] = split.declarations if split else []
     if workers:
         plan = make_plan(workers, configured, policy)
         lines = plan.declarations

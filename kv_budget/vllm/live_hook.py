@@ -20,6 +20,12 @@ module only feeds it and applies what it returns:
 * every sample rewrites the engine's status file (:mod:`kv_budget.watch.status`)
   for the API-server processes' metrics.
 
+A vLLM-Omni stage that planned before the other stages on its devices
+(:mod:`kv_budget.deployment`) gets a :class:`PendingSplit`: before its first
+step it waits until every stage there has recorded, then applies the final
+split's limit the same way, before any request is scheduled (vLLM-Omni
+serves only once every stage is ready, so the wait is over by then).
+
 The cost is one RPC round trip, a walk of the declaring owners' caches and
 a status file per sample, bounded to ``kv_budget.watch.live.MAX_SAMPLING_FRACTION``
 of the engine's time; ``benchmarks/bench_live.py`` measures it against the
@@ -33,10 +39,12 @@ import os
 import time
 from typing import Any
 
+from kv_budget.deployment import StageSplit
 from kv_budget.plan.planner import Plan
 from kv_budget.sample.caches import HeldBytes, UnsupportedCacheError
 from kv_budget.settings import ModelLocalKVSettings, Policy
 from kv_budget.stage import Stage
+from kv_budget.startup import DeploymentPlanning, final_deployment_plan
 from kv_budget.vllm.compat import checked_vllm
 from kv_budget.vllm.patching import patch_method
 from kv_budget.watch.live import LiveMonitor, WorkerSample
@@ -91,7 +99,7 @@ class LiveHook:
 
     def __init__(self, core: Any, vllm_config: Any, plan: Plan, settings: ModelLocalKVSettings,
                  stage: Stage | None = None, overrides: list[str] | None = None,
-                 unmatched_overrides: list[str] | None = None) -> None:
+                 unmatched_overrides: list[str] | None = None, deployment: StageSplit | None = None) -> None:
         self.monitor = LiveMonitor(plan, settings.sample_interval_s)
         self.stage = stage
         self.overrides = list(overrides or [])
@@ -100,6 +108,8 @@ class LiveHook:
         self.owners_by_rank = {
             worker.rank: list(dict.fromkeys(line.owner for line in worker.declarations)) for worker in plan.workers
         }
+        self.deployment = deployment
+        """The stage's part of its vLLM-Omni deployment, for the status file."""
         self.engine_index = int(getattr(core, "engine_index", 0) or 0)
         self.model = str(vllm_config.model_config.model)
         self.status_dir = os.environ.get(STATUS_DIR_ENV)
@@ -170,6 +180,7 @@ class LiveHook:
             engine_index=self.engine_index, model=self.model, pid=os.getpid(), updated_unix_s=time.time(),
             plan=self.monitor.plan, live=self.monitor.state() if self.monitor.samples else None,
             stage=self.stage, overrides=self.overrides, unmatched_overrides=self.unmatched_overrides,
+            deployment=self.deployment,
         )
         try:
             write_status(self.status_dir, status)
@@ -180,28 +191,78 @@ class LiveHook:
 
 
 def start_live(core: Any, vllm_config: Any, plan: Plan, settings: ModelLocalKVSettings, stage: Stage | None = None,
-               overrides: list[str] | None = None, unmatched_overrides: list[str] | None = None) -> None:
+               overrides: list[str] | None = None, unmatched_overrides: list[str] | None = None,
+               deployment: StageSplit | None = None) -> LiveHook | None:
     """Attach a :class:`LiveHook` to ``core`` (policy cap or warn, sampling
     on), or only publish the startup plan when sampling is off or nothing
-    is declared."""
+    is declared; return it (None under other policies)."""
     if plan.policy not in (Policy.CAP, Policy.WARN):
-        return
-    hook = LiveHook(core, vllm_config, plan, settings, stage, overrides, unmatched_overrides)  # writes the status
+        return None
+    hook = LiveHook(core, vllm_config, plan, settings, stage, overrides, unmatched_overrides,
+                    deployment)  # writes the status
     if settings.sample_interval_s == 0:
         logger.info("kv-budget: live sampling off (--model-local-kv-sample-interval 0)")
-        return
+        return hook
     if not any(hook.owners_by_rank.values()):
-        return
+        return hook
     core._kv_budget_live = hook
     logger.info(
         "kv-budget: live sampling every %.3g s of %d declaring owner(s); status in %s",
         settings.sample_interval_s, sum(len(o) for o in core._kv_budget_live.owners_by_rank.values()),
         core._kv_budget_live.status_dir or "(no status directory: metrics off)",
     )
+    return hook
+
+
+class PendingSplit:
+    """A vLLM-Omni stage whose deployment split was provisional when it
+    planned: before its first step, the final one (lowering only)."""
+
+    POLL_S = 0.05
+
+    def __init__(self, deployment: DeploymentPlanning, settings: ModelLocalKVSettings, configured: int, label: str,
+                 vllm_figures: dict, live: LiveHook | None) -> None:
+        self.deployment = deployment
+        self.settings = settings
+        self.configured = configured
+        self.label = label
+        self.vllm_figures = vllm_figures
+        self.live = live
+
+    def before_step(self, core: Any) -> None:
+        """Wait for the final split (every stage on the devices recorded),
+        then apply it; runs once, before the stage's first step."""
+        logged = False
+        while (plan := final_deployment_plan(self.deployment, self.settings, self.configured, self.label,
+                                             self.vllm_figures)) is None:
+            if not logged:
+                logger.warning("kv-budget: a request arrived before %s planned: waiting for the final split",
+                               ", ".join(s.label() for s in self.deployment.split.waiting_for))
+                logged = True
+            time.sleep(self.POLL_S)
+        core._kv_budget_pending_split = None
+        if self.settings.policy is Policy.CAP:
+            applied = apply_limit(core.scheduler, plan.effective_max_num_seqs)
+            core.scheduler.scheduler_config.max_num_seqs = min(core.scheduler.scheduler_config.max_num_seqs,
+                                                               plan.effective_max_num_seqs)
+            logger.warning("kv-budget: final deployment split: max_num_seqs %d (Scheduler.%s %d), before the first "
+                           "request", plan.effective_max_num_seqs, checked_vllm().features.admission_limit, applied)
+        else:
+            logger.warning("kv-budget: final deployment split: max_num_seqs %d fits (policy warn: left at %d)",
+                           plan.effective_max_num_seqs, self.configured)
+        if self.live is not None:
+            self.live.monitor.plan = plan
+            self.live.monitor.limit = min(self.live.monitor.limit, plan.effective_max_num_seqs) \
+                if plan.policy is Policy.CAP else self.live.monitor.limit
+            self.live.deployment = self.deployment.split
+            self.live.write_status()
 
 
 def _wrap_step(original):
     def step(self):
+        pending = getattr(self, "_kv_budget_pending_split", None)
+        if pending is not None:
+            pending.before_step(self)
         hook = getattr(self, "_kv_budget_live", None)
         if hook is None:
             return original(self)

@@ -23,6 +23,12 @@ the stage. A stage that cannot take them (a diffusion stage) is named in a
 warning, as is a stage whose deploy-file settings a ``platforms:`` section
 replaced on the platform it runs on.
 
+**Stages sharing a device split it** (:mod:`kv_budget.vllm.omni_deployment`).
+Once vLLM-Omni has resolved every stage, before it spawns one, the driver
+records each stage's placement and sizing for the stages to split each
+device by the rule ``kv-budget plan --deploy`` uses, whatever order they
+start in (:mod:`kv_budget.deployment`).
+
 **One check across stages** (:func:`patch_stage_runtime`). An override
 that names no stage applies in every stage that has its declaration; a
 stage that lacks it logs so and starts. Once every stage is up (with one
@@ -63,6 +69,7 @@ from typing import Any
 from kv_budget.settings import CONFIG_KEY, SETTINGS, settings_from_additional_config
 from kv_budget.stage import Stage
 from kv_budget.vllm.flags import flag_dest, merged_section
+from kv_budget.vllm.omni_deployment import record_deployment
 from kv_budget.vllm.patching import patch_method
 from kv_budget.watch.status import EngineStatus, read_status
 
@@ -284,7 +291,9 @@ def check_overrides_across_stages() -> None:
 
 def patch_stage_runtime(stage_runtime_cls) -> None:
     """Wrap ``StageRuntime._build_logical_stage_init_plans`` (after vLLM-Omni
-    loaded the plugins, before any stage starts), and the two places every
+    loaded the plugins, before any stage starts: the deployment's record for
+    its stages to split, :func:`kv_budget.vllm.omni_deployment.record_deployment`),
+    and the two places every
     stage is ready: ``StageRuntime._finalize_initialized_stages`` (one API
     server, or a Python driver) and the end of the context manager
     ``StageRuntime.launch_stage_engines`` when it launched the whole
@@ -302,7 +311,9 @@ def patch_stage_runtime(stage_runtime_cls) -> None:
                     "and a global additional_config['model_local_kv'] won over stage(s) %s's own keys. Load the "
                     "plugins before the first Omni()/AsyncOmni() of the process (from vllm.plugins import "
                     "load_general_plugins; load_general_plugins())", missed)
-            return original(self, *args, **kwargs)
+            plans = original(self, *args, **kwargs)
+            record_deployment(plans)
+            return plans
         return _build_logical_stage_init_plans
 
     def wrap_finalize(original):

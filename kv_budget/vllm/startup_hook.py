@@ -38,6 +38,7 @@ from kv_budget.report import summary_line
 from kv_budget.settings import Policy, settings_from_additional_config
 from kv_budget.stage import Stage
 from kv_budget.startup import (
+    DeploymentPlanning,
     ModelLocalKVInfeasibleError,
     ModelLocalKVPlanningError,
     plan_startup,
@@ -50,7 +51,7 @@ from kv_budget.vllm.compat import (
     scheduler_cap_problem,
     scheduler_class_problem,
 )
-from kv_budget.vllm.live_hook import start_live
+from kv_budget.vllm.live_hook import PendingSplit, start_live
 from kv_budget.vllm.omni import prefix_stage_logs, stage_of
 from kv_budget.vllm.patching import patch_method
 from kv_budget.vllm.pool_hook import reserved_in_pool
@@ -65,6 +66,9 @@ def plan_after_kv_caches(core: Any, vllm_config: Any) -> Plan | None:
     settings = settings_from_additional_config(vllm_config.additional_config)
     stage = stage_of(vllm_config)
     prefix_stage_logs(stage)
+    if stage is None and settings.device_memory_bytes is not None:
+        logger.warning("kv-budget: device_memory_bytes (--model-local-kv-device-memory) applies to vLLM-Omni "
+                       "deployments only; this plain vLLM engine ignores it")
     if settings.policy is Policy.OFF:
         return None
     if settings.policy is Policy.RESERVE:
@@ -88,14 +92,20 @@ def plan_after_kv_caches(core: Any, vllm_config: Any) -> Plan | None:
         logger.warning("kv-budget could not plan model-local KV (%s); policy warn: the engine starts unprotected, "
                        "max_num_seqs left at %d", "; ".join(exc.failures), configured)
         return None
-    plan = plan_startup(results, settings, configured, this_engine(vllm_config), vllm_figures(), start, stage)
+    deployment = DeploymentPlanning.of_this_process(stage)
+    label = this_engine(vllm_config)
+    plan = plan_startup(results, settings, configured, label, vllm_figures(), start, stage, deployment)
     if plan is None:
         return None
     if plan.decision is Decision.CAPPED:
         _apply_cap(scheduler_config, plan)
     elif plan.decision is Decision.WARNED:
         logger.warning("%s", summary_line(plan))
-    start_live(core, vllm_config, plan, settings, stage, results[0]["overrides"], unmatched_on_every_worker(results))
+    split = deployment.split if deployment is not None else None
+    live = start_live(core, vllm_config, plan, settings, stage, results[0]["overrides"],
+                      unmatched_on_every_worker(results), split)
+    if split is not None and not split.final:
+        core._kv_budget_pending_split = PendingSplit(deployment, settings, configured, label, vllm_figures(), live)
     return plan
 
 

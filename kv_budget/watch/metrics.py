@@ -45,6 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple, get_args
 
+from kv_budget.deployment import StageSplit
 from kv_budget.plan.planner import DeclarationLine, Plan, at_max_num_seqs
 from kv_budget.watch.live import Finding, LiveState, Verdict
 from kv_budget.watch.status import EngineStatus
@@ -73,6 +74,13 @@ ENGINE_LABELS = ("model_name", "engine")
 STAGE_LABELS = ("stage", "replica")
 """What vLLM-Omni puts in place of ``engine`` on its per-stage series."""
 RANK_LABELS = (*ENGINE_LABELS, "rank")
+DEVICE_LABELS = (*ENGINE_LABELS, "device")
+"""A vLLM-Omni stage's series about one device of its deployment."""
+SET_ASIDE_LABELS = (*DEVICE_LABELS, "other_stage", "other_replica", "part")
+SET_ASIDE_PARTS = {"admission terms": "admission_terms", "model-local KV": "model_local_kv"}
+"""A set-aside's ``part`` label for each kind of :class:`kv_budget.deployment.SetAside`."""
+BINDINGS = ("deployment split", "measured")
+"""Which bound a stage plans against on a device (:class:`kv_budget.deployment.DeviceSplit`)."""
 OWNER_LABELS = (*RANK_LABELS, "owner")
 DECLARATION_LABELS = (*OWNER_LABELS, "name", "scope", "rows")
 
@@ -104,6 +112,8 @@ def _spec(name: str, help: str, labels: tuple[str, ...]) -> MetricSpec:
 
 
 _PLAN = "from the startup plan (--model-local-kv-report writes the same figures)"
+_SPLIT = ("from the stage's part of its vLLM-Omni deployment (the report's deployment section has each figure's "
+          "source); a vLLM-Omni stage only")
 _LIVE = "from the live monitor's last sample; absent until the first sample"
 
 METRICS: tuple[MetricSpec, ...] = (
@@ -111,7 +121,9 @@ METRICS: tuple[MetricSpec, ...] = (
     _spec("configured_max_num_seqs",
           f"max_num_seqs as configured (--max-num-seqs), {_PLAN}.", ENGINE_LABELS),
     _spec("startup_max_num_seqs",
-          f"max_num_seqs the engine started with: the plan's effective value (capped under policy cap), {_PLAN}.",
+          f"max_num_seqs the engine started with: the plan's effective value (capped under policy cap), {_PLAN}; "
+          "in a vLLM-Omni stage that planned before the others on its device, the final split's, applied before "
+          "its first request.",
           ENGINE_LABELS),
     _spec("live_max_num_seqs",
           "max_num_seqs the Scheduler admits to now: the live limit, lowered by live corrections under policy "
@@ -190,6 +202,27 @@ METRICS: tuple[MetricSpec, ...] = (
     _spec("live_last_sample_seconds",
           f"Wall time of the last sample in the engine core, RPC to every worker included, {_LIVE}.",
           ENGINE_LABELS),
+    # --- a vLLM-Omni stage's part of its devices
+    _spec("deployment_split_final",
+          f"1 once every planning stage on this stage's devices has recorded (the split is final and applied), "
+          f"0 while it is provisional, {_SPLIT}.", ENGINE_LABELS),
+    _spec("deployment_left_bytes",
+          f"What the device leaves for the declaring stages' per-sequence model-local KV: capacity minus "
+          f"vLLM-Omni's admission terms of every stage there (or the operator's headroom) minus every stage's "
+          f"fixed model-local KV, {_SPLIT}.", DEVICE_LABELS),
+    _spec("deployment_share_bytes",
+          f"This stage's share of deployment_left_bytes under the split rule (proportional to per-sequence bytes x "
+          f"configured max_num_seqs), {_SPLIT}; absent when it declares nothing per sequence.", DEVICE_LABELS),
+    _spec("deployment_set_aside_bytes",
+          f"Bytes of another stage on the device kept out of this stage's room: part admission_terms "
+          f"(int(capacity x gpu_memory_utilization) + graph reserve + pool beyond its share) or model_local_kv "
+          f"(its fixed + per-sequence x max_num_seqs under the split), {_SPLIT}.", SET_ASIDE_LABELS),
+    _spec("deployment_room_bytes",
+          f"The headroom this stage plans against on the device: the smaller of its split (fixed + share) and "
+          f"its own measured headroom less the other stages' parts, {_SPLIT}.", DEVICE_LABELS),
+    _spec("deployment_binding_info",
+          f"1 on the bound deployment_room_bytes came from (deployment split, measured), 0 on the other, {_SPLIT}.",
+          (*DEVICE_LABELS, "binding")),
     _spec("live_findings",
           f"Live findings of each kind (under-declared, declared-but-absent, leak, limit-lowered, nothing-fits) "
           f"since the engine started, each logged once as a warning, {_LIVE}.", (*ENGINE_LABELS, "kind")),
@@ -282,6 +315,20 @@ def _live_samples(out: _Samples, live: LiveState) -> None:
                 out.add("live_owner_verdict_info", int(owner.verdict == verdict), **labels, verdict=verdict)
 
 
+def _split_samples(out: _Samples, split: StageSplit) -> None:
+    out.add("deployment_split_final", int(split.final))
+    for device in split.devices:
+        where = {"device": str(device.device)}
+        out.add("deployment_left_bytes", device.left_for_per_seq_bytes, **where)
+        out.add("deployment_share_bytes", device.share_bytes, **where)
+        out.add("deployment_room_bytes", device.room_bytes, **where)
+        for binding in BINDINGS:
+            out.add("deployment_binding_info", int(device.binding == binding), **where, binding=binding)
+        for part in device.set_aside:
+            out.add("deployment_set_aside_bytes", part.bytes, **where, other_stage=str(part.stage_id),
+                    other_replica=str(part.replica), part=SET_ASIDE_PARTS[part.what])
+
+
 def status_samples(status: EngineStatus, model_name: str | None = None) -> list[Sample]:
     """Every sample of ``status``. ``model_name`` is the ``model_name``
     label (vLLM's served model name); the status's model by default."""
@@ -296,4 +343,6 @@ def status_samples(status: EngineStatus, model_name: str | None = None) -> list[
     out.add("status_updated_timestamp_seconds", status.updated_unix_s)
     if status.live is not None:
         _live_samples(out, status.live)
+    if status.deployment is not None:
+        _split_samples(out, status.deployment)
     return out.samples

