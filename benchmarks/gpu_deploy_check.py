@@ -43,8 +43,8 @@ def stage_process(stage_id: int, record_path: str, spec_path: str, ready, go, do
     import torch
 
     from kv_budget.collect.specfile import load_spec_file
-    from kv_budget.deployment import read_deployment, record_stage, split_for
-    from kv_budget.plan.planner import budget_worker, headroom_override, make_plan, safe_max_num_seqs
+    from kv_budget.deployment import read_deployment, record_stage, split_for, split_max_num_seqs
+    from kv_budget.plan.planner import budget_worker, headroom_override
     from kv_budget.sample.device import sample_memory
     from kv_budget.stage import Stage
 
@@ -54,13 +54,13 @@ def stage_process(stage_id: int, record_path: str, spec_path: str, ready, go, do
     budget = budget_worker(load_spec_file(spec_path), headroom_override(0), max_num_seqs=CONFIGURED[stage_id])
     stage = Stage(stage_id=stage_id, replica=0)
     measured = max(sample.free_bytes - 2**30, 0)
-    record_stage(Path(record_path), stage, budget, {0: measured}, f"{sample.source} free minus 1 GiB")
+    record_stage(Path(record_path), stage, budget, {0: measured}, f"{sample.source} free minus 1 GiB", "cap",
+                 CONFIGURED[stage_id])
     ready.set()
     go.wait()
-    part = split_for(read_deployment(Path(record_path)), stage).devices[0]
-    worker = budget.model_copy(update={"headroom": headroom_override(part.room_bytes),
-                                       "safe_max_num_seqs": safe_max_num_seqs(part.room_bytes, 0, budget.per_seq_bytes)})
-    final = make_plan([worker], CONFIGURED[stage_id], "cap").effective_max_num_seqs
+    record = read_deployment(Path(record_path))
+    part = split_for(record, stage).devices[0]
+    final = split_max_num_seqs(record, stage)
     rows, error = [], None
     try:
         rows = [torch.empty(PER_SEQ, dtype=torch.uint8, device="cuda:0") for _ in range(final)]
@@ -125,8 +125,8 @@ def main(out: Path) -> int:
               f"{want[r['stage']]}), bound {r['binding']}, room {r['room_bytes']:,} B, allocated "
               f"{r['allocated_rows']} x {PER_SEQ:,} B, OOM: {r['oom'] or 'none'}, NVML free after "
               f"{r['free_after_bytes']:,} B")
-    print(f"[gpu-deploy] capacity {capacity:,} B (NVML), left for per-sequence KV {report['left_for_per_seq_bytes']:,} B;"
-          f" {'PASS' if ok else 'FAIL'}")
+    print(f"[gpu-deploy] capacity {capacity:,} B (NVML), left for per-sequence KV "
+          f"{report['left_for_per_seq_bytes']:,} B; {'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1
 
 

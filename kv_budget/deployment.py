@@ -65,6 +65,8 @@ __all__ = [
     "read_deployment",
     "record_stage",
     "split_for",
+    "split_max_num_seqs",
+    "starved",
 ]
 
 DEPLOYMENT_ENV = "KV_BUDGET_DEPLOYMENT"
@@ -87,14 +89,19 @@ class PlannedStage(BaseModel):
     ``kv-budget plan --deploy`` gets from a preset or spec file."""
 
     measured_bytes: dict[int, int] | None
-    """Per device: the headroom it measured (free memory minus the margin,
-    minus other engines' ledger entries), before anything this deployment
-    sets aside; None when the operator gave the headroom."""
+    """Per device: the headroom its workers had (measured free memory minus
+    the margin, or the operator's), minus other engines' ledger entries,
+    before anything this deployment sets aside."""
 
     measured_source: str | None = None
     planned_before: list[Stage]
     """Stages that had planned when it sampled: their pools were out of its
     sample; the others' admission terms come off its measured room."""
+
+    policy: str
+    """``cap`` or ``warn``: whether its bound lowers its ``max_num_seqs``."""
+
+    configured_max_num_seqs: int
 
 
 class DeploymentRecord(BaseModel):
@@ -246,7 +253,7 @@ def read_deployment(path: Path) -> DeploymentRecord:
 
 
 def record_stage(path: Path, stage: Stage, budget: WorkerBudget, measured_bytes: dict[int, int] | None,
-                 measured_source: str | None) -> DeploymentRecord:
+                 measured_source: str | None, policy: str, configured_max_num_seqs: int) -> DeploymentRecord:
     """Add this process's entry for ``stage`` (replacing any earlier one of
     the same stage replica: a restart) and return the record as it is now."""
     pid, start = this_process()
@@ -254,7 +261,8 @@ def record_stage(path: Path, stage: Stage, budget: WorkerBudget, measured_bytes:
         record = _read(path)
         others = [entry for entry in record.planned if entry.stage != stage]
         mine = PlannedStage(stage=stage, pid=pid, process_start=start, budget=budget, measured_bytes=measured_bytes,
-                            measured_source=measured_source, planned_before=[entry.stage for entry in others])
+                            measured_source=measured_source, planned_before=[entry.stage for entry in others],
+                            policy=policy, configured_max_num_seqs=configured_max_num_seqs)
         record = record.model_copy(update={"planned": [*others, mine]})
         _write(path, record)
     return record
@@ -274,56 +282,69 @@ def _account(record: DeploymentRecord) -> dict[int, DeviceAccount]:
     return {account.device: account for account in plan.devices}
 
 
+def _set_aside(record: DeploymentRecord, account: DeviceAccount, stage: Stage,
+               entry: PlannedStage) -> tuple[list[SetAside], int]:
+    """The other stages' parts of the device, and how much of them comes off
+    what ``stage`` measured: the admission terms of those that had not
+    planned when it sampled (their pools were not there yet), and everyone's
+    model-local KV (allocated while serving)."""
+    recorded = {e.stage: e for e in record.planned}
+    parts: list[SetAside] = []
+    off_measured = 0
+    for other in account.stages:
+        who = Stage(stage_id=other.stage_id, replica=other.replica)
+        if who == stage:
+            continue
+        label = who.label()
+        if account.headroom_bytes is None:  # an operator's headroom is the room outside every pool already
+            admission = other.requested_bytes + other.graph_reserve_bytes + other.kv_cache_excess_bytes
+            parts.append(SetAside(
+                stage=label, stage_id=who.stage_id, replica=who.replica, what="admission terms", bytes=admission,
+                source=(f"vLLM-Omni's admission arithmetic: int({account.capacity_bytes:,} x "
+                        f"{other.gpu_memory_utilization}) = {other.requested_bytes:,} B + graph reserve "
+                        f"{other.graph_reserve_bytes:,} B + pool beyond share {other.kv_cache_excess_bytes:,} B")))
+            if who not in entry.planned_before:
+                off_measured += admission
+        if who in recorded:
+            theirs = recorded[who]
+            # under warn a stage keeps its configured value: it holds that many
+            sequences = (other.safe_max_num_seqs or 0) if theirs.policy == "cap" else theirs.configured_max_num_seqs
+            source = (f"{label}'s own declarations, recorded by pid {theirs.pid}: fixed "
+                      f"{other.uncharged_fixed_bytes:,} B + {other.per_seq_bytes:,} B x {sequences} sequences "
+                      f"(policy {theirs.policy})")
+            model_local = other.uncharged_fixed_bytes + other.per_seq_bytes * sequences
+        elif who in record.planning:
+            source, model_local = f"{label} has not planned yet: its declarations are not known until it records", 0
+        else:
+            source, model_local = f"{label} does not plan (policy off or reserve, or not an LLM stage)", 0
+        parts.append(SetAside(stage=label, stage_id=who.stage_id, replica=who.replica, what="model-local KV",
+                              bytes=model_local, source=source))
+        off_measured += model_local
+    return parts, off_measured
+
+
 def split_for(record: DeploymentRecord, stage: Stage) -> StageSplit:
     """``stage``'s part of each of its devices (see the module docstring)."""
     accounts = _account(record)
     entry = next((e for e in record.planned if e.stage == stage), None)
     if entry is None:
         raise DeploymentError(f"{stage.label()} has not recorded itself in the deployment record")
-    recorded = {e.stage: e for e in record.planned}
-    before = set(entry.planned_before)
     devices = []
     for device in record.devices_of(stage):
         account = accounts[device]
-        mine = next(s for s in account.stages if (s.stage_id, s.replica) == (stage.stage_id, stage.replica))
-        set_aside: list[SetAside] = []
-        measured_off = 0
-        for other in account.stages:
-            if (other.stage_id, other.replica) == (stage.stage_id, stage.replica):
-                continue
-            who = Stage(stage_id=other.stage_id, replica=other.replica)
-            label = who.label()
-            if account.headroom_bytes is None:
-                admission = other.requested_bytes + other.graph_reserve_bytes + other.kv_cache_excess_bytes
-                set_aside.append(SetAside(
-                    stage=label, stage_id=other.stage_id, replica=other.replica, what="admission terms",
-                    bytes=admission,
-                    source=(f"vLLM-Omni's admission arithmetic: int({account.capacity_bytes:,} x "
-                            f"{other.gpu_memory_utilization}) = {other.requested_bytes:,} B + graph reserve "
-                            f"{other.graph_reserve_bytes:,} B + pool beyond share {other.kv_cache_excess_bytes:,} B")))
-                if who not in before:
-                    measured_off += admission
-            model_local = other.uncharged_fixed_bytes + other.per_seq_bytes * (other.safe_max_num_seqs or 0)
-            if who in recorded:
-                source = (f"{label}'s own declarations, recorded by pid {recorded[who].pid}: fixed "
-                          f"{other.uncharged_fixed_bytes:,} B + {other.per_seq_bytes:,} B x "
-                          f"{other.safe_max_num_seqs or 0} sequences")
-            elif who in record.planning:
-                source = f"{label} has not planned yet: its declarations are not known, 0 B until it records"
-            else:
-                source = f"{label} does not plan (policy off or reserve, or not an LLM stage): 0 B"
-            set_aside.append(SetAside(stage=label, stage_id=other.stage_id, replica=other.replica,
-                                      what="model-local KV", bytes=model_local, source=source))
-            measured_off += model_local
+        mine = next(s for s in account.stages if Stage(stage_id=s.stage_id, replica=s.replica) == stage)
+        set_aside, off_measured = _set_aside(record, account, stage, entry)
         if account.left_for_per_seq_bytes >= 0:
             split_bytes = mine.uncharged_fixed_bytes + (mine.share_bytes or 0)
-        else:
+        else:  # not even the fixed parts fit: each stage gets less than its own
             split_bytes = max(mine.uncharged_fixed_bytes + account.left_for_per_seq_bytes, 0)
         measured = None if entry.measured_bytes is None else entry.measured_bytes.get(device)
-        room, binding = split_bytes, "deployment split"
-        measured_room = None
+        room, binding, measured_room, measured_source = split_bytes, "deployment split", None, None
         if measured is not None:
-            measured_room = max(measured - measured_off, 0)
+            measured_room = max(measured - off_measured, 0)
+            measured_source = (f"{entry.measured_source}: {measured:,} B, minus {off_measured:,} B of the other "
+                               "stages' parts (admission terms of those that had not planned when it sampled, "
+                               "model-local KV of all)")
             if _bound(measured_room, entry.budget) < _bound(split_bytes, entry.budget):
                 room, binding = measured_room, "measured"
         devices.append(DeviceSplit(
@@ -337,14 +358,42 @@ def split_for(record: DeploymentRecord, stage: Stage) -> StageSplit:
             split_bytes=split_bytes,
             split_source=mine.headroom_source or "",
             measured_room_bytes=measured_room,
-            measured_source=None if measured is None else (
-                f"{entry.measured_source}: {measured:,} B, minus {measured_off:,} B set aside for the other "
-                "stages (admission terms of those that had not planned when it sampled, model-local KV of all)"),
+            measured_source=measured_source,
             room_bytes=room,
             binding=binding,
         ))
     waiting = record.waiting_for(stage)
     return StageSplit(stage=stage, final=not waiting, waiting_for=waiting, split_rule=SPLIT_RULE, devices=devices)
+
+
+def split_max_num_seqs(record: DeploymentRecord, stage: Stage) -> int | None:
+    """The ``max_num_seqs`` ``stage``'s split allows: the smallest over its
+    devices, at most its configured value (which it keeps when nothing of
+    it scales with sequences and its fixed part fits); None when it has not
+    recorded."""
+    entry = next((e for e in record.planned if e.stage == stage), None)
+    if entry is None:
+        return None
+    bounds = [safe_max_num_seqs(part.room_bytes, entry.budget.uncharged_fixed_bytes, entry.budget.per_seq_bytes)
+              for part in split_for(record, stage).devices]
+    return min([bound for bound in bounds if bound is not None] + [entry.configured_max_num_seqs])
+
+
+def starved(record: DeploymentRecord, stage: Stage) -> list[str]:
+    """Once ``stage``'s split is final: the other stages on its devices
+    under ``cap`` that the final split leaves not one sequence, each with
+    its figures. The stage that completes the record refuses on them, since
+    they started on a provisional split and cannot refuse any more."""
+    mine = set(record.devices_of(stage))
+    found = []
+    for entry in record.planned:
+        if entry.stage == stage or entry.policy != "cap" or not mine & set(record.devices_of(entry.stage)):
+            continue
+        if split_max_num_seqs(record, entry.stage) == 0:
+            rooms = ", ".join(f"device {p.device}: {p.room_bytes:,} B" for p in split_for(record, entry.stage).devices)
+            found.append(f"{entry.stage.label()} (uncharged fixed {entry.budget.uncharged_fixed_bytes:,} B, "
+                         f"per sequence {entry.budget.per_seq_bytes:,} B; its part {rooms})")
+    return found
 
 
 def _bound(room: int, budget: WorkerBudget) -> float:

@@ -68,7 +68,8 @@ def render_split(split: StageSplit, effective_max_num_seqs: int) -> str:
         lines.append(f"  device {device.device}: {where}")
         for part in device.set_aside:
             lines.append(f"    set aside for {part.stage}: {part.what} {format_bytes(part.bytes)} [{part.source}]")
-        lines.append(f"    left for the declaring stages' per-sequence KV: {format_bytes(device.left_for_per_seq_bytes)}")
+        left = format_bytes(device.left_for_per_seq_bytes)
+        lines.append(f"    left for the declaring stages' per-sequence KV: {left}")
         share = "none (nothing per sequence)" if device.share_bytes is None else format_bytes(device.share_bytes)
         lines.append(f"    this stage's share: {share}; with its fixed part {format_bytes(device.split_bytes)} "
                      f"[{device.split_source}]")

@@ -42,6 +42,7 @@ from kv_budget.deployment import (
     read_deployment,
     record_stage,
     split_for,
+    starved,
 )
 from kv_budget.ledger import default_ledger_dir, open_ledger
 from kv_budget.override import (
@@ -395,18 +396,29 @@ class DeploymentPlanning:
     def physical_device(self, rank: int) -> int:
         return self.physical[min(rank, len(self.physical) - 1)]
 
-    def plan_against(self, workers: list[WorkerBudget]) -> list[WorkerBudget]:
+    def plan_against(self, workers: list[WorkerBudget], settings: ModelLocalKVSettings,
+                     configured: int) -> list[WorkerBudget]:
         """Record this stage (its binding worker's declarations, the
         headroom each device gave its workers) and return the workers with
-        the split's room as their headroom."""
+        the split's room as their headroom. The stage that completes the
+        record refuses (:class:`ModelLocalKVInfeasibleError`) when the final
+        split leaves a stage under ``cap`` that planned before it no
+        sequence: that one cannot refuse any more."""
         measured: dict[int, int] = {}
         for worker in workers:
             device = self.physical_device(worker.rank)
             measured[device] = min(measured.get(device, worker.headroom.bytes), worker.headroom.bytes)
         binding = max(workers, key=lambda w: (w.per_seq_bytes, w.uncharged_fixed_bytes, -w.rank))
-        record = record_stage(self.path, self.stage, binding, measured, binding.headroom.source)
+        record = record_stage(self.path, self.stage, binding, measured, binding.headroom.source,
+                              settings.policy.value, configured)
         self.workers = workers
-        return self._against(record)
+        placed = self._against(record)
+        if self.split.final and (left_out := starved(record, self.stage)):
+            raise ModelLocalKVInfeasibleError(
+                f"kv-budget: with {self.stage.label()} planned, the final split of the devices leaves "
+                f"{'; '.join(left_out)} not one sequence under cap; lower the stages' max_num_seqs or "
+                "gpu_memory_utilization on the device, or give it more headroom")
+        return placed
 
     def final(self) -> list[WorkerBudget] | None:
         """The workers under the final split; None while a stage on its
@@ -419,12 +431,13 @@ class DeploymentPlanning:
     def _against(self, record: DeploymentRecord) -> list[WorkerBudget]:
         self.split = split_for(record, self.stage)
         placed = []
+        state = "final" if self.split.final else "provisional"
         for worker in self.workers:
             part = self.split.room_on(self.physical_device(worker.rank))
-            text = (f"{self.stage.label()}: the smaller of its deployment split on device {part.device} "
-                    f"({part.split_bytes:,} B) and its own headroom less the other stages' parts "
-                    f"({'n/a' if part.measured_room_bytes is None else f'{part.measured_room_bytes:,} B'}): "
-                    f"{part.binding}{'' if self.split.final else ' (provisional: waiting for ' + ', '.join(s.label() for s in self.split.waiting_for) + ')'}")
+            own = "not measured" if part.measured_room_bytes is None else f"{part.measured_room_bytes:,} B"
+            text = (f"{self.stage.label()}: the smaller of its {state} deployment split on device {part.device} "
+                    f"({part.split_bytes:,} B) and its own headroom less the other stages' parts ({own}): "
+                    f"{part.binding}")
             headroom = worker.headroom.model_copy(update={"bytes": part.room_bytes, "source": text})
             placed.append(worker.model_copy(update={
                 "headroom": headroom,
@@ -452,7 +465,7 @@ def _plan_on_shared_devices(
         if settings.share_bytes is not None:
             workers = [shared_budget(w, 0, "", settings.share_bytes) for w in workers]
         if deployment is not None:
-            workers = deployment.plan_against(workers)
+            workers = deployment.plan_against(workers, settings, configured)
         return make_plan(workers, configured, settings.policy)
     directory = ledger_directory(settings)
     keys = [device or "" for device in devices]
@@ -469,7 +482,7 @@ def _plan_on_shared_devices(
             taken = sum(o.reserved_bytes for o in others) // per_device[device]
             shared.append(shared_budget(worker, taken, named, share))
         if deployment is not None:
-            shared = deployment.plan_against(shared)
+            shared = deployment.plan_against(shared, settings, configured)
         plan = make_plan(shared, configured, settings.policy)
         others_lines = [
             ReservationLine(device=o.device, engine=o.engine, pid=o.pid, reserved_bytes=o.reserved_bytes)

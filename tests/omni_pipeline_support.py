@@ -5,11 +5,15 @@ Each module starts its pipeline once (a module fixture) and every test reads
 what the run produced: the driver's result, its whole log (the stages'
 engine cores log into it), each stage's kv-budget report, the observation
 probe's record of what kv-budget saw inside each stage, and what the demo
-talker really held. Nothing here imports vLLM or vLLM-Omni.
+talker really held; :func:`plan_deploy_prints` asks ``kv-budget plan
+--deploy`` about the same deploy file. Nothing here imports vLLM or
+vLLM-Omni.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -17,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+
+from kv_budget.cli import main as kv_budget_main
 
 RUNNER = Path(__file__).with_name("omni_pipeline_run.py")
 MAX_NUM_SEQS = 256
@@ -53,6 +59,8 @@ class PipelineRun:
     """The stages' status files by name."""
     refused: dict | None
     """The exception ``Omni(...)`` raised (type, message); None when it started."""
+    work: Path
+    """The run's directory: its deploy file (``deploy.yaml``), reports, stats."""
 
     def failure(self) -> str:
         return self.output[-4000:]
@@ -109,4 +117,29 @@ def run_pipeline(work: Path, pipeline: str, stages: list[dict], omni_kwargs: dic
         stats=[json.loads(p.read_text()) for p in sorted(dirs["stats"].rglob("stats-rank*.json"))],
         status={p.name: json.loads(p.read_text()) for p in sorted(dirs["status"].glob("engine-*.json"))},
         refused=json.loads(refused[-1][len("REFUSED "):]) if refused else None,
+        work=work,
     )
+
+
+DECLARATION_KEYS = ("owner", "name", "layers", "kv_heads", "head_dim", "dtype", "physical_capacity_positions",
+                    "capacity_source", "scope", "rows", "rows_fixed", "rows_reason")
+"""A report's declaration line fields that a spec file takes (the figures
+after the operator's overrides)."""
+
+
+def plan_deploy_prints(work: Path, reports: dict[str, dict], device_memory: str) -> dict[int, int]:
+    """Each stage's ``max_num_seqs`` as ``kv-budget plan --deploy`` prints it
+    for the run's deploy file and ``device_memory``, with each stage's
+    declarations as its report lists them, written to a spec file."""
+    args = ["plan", "--deploy", str(work / "deploy.yaml"), "--device-memory", device_memory, "--json"]
+    for name, report in sorted(reports.items()):
+        sid = report["stage"]["stage_id"]
+        spec = work / f"stage{sid}-declarations.json"
+        spec.write_text(json.dumps([{k: d[k] for k in DECLARATION_KEYS if d.get(k) is not None}
+                                    for d in report["declarations"]]))
+        args += ["--stage-declarations", f"{sid}={spec}"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = kv_budget_main(args)
+    assert code == 0, out.getvalue()
+    return {s["stage_id"]: s["effective_max_num_seqs"] for s in json.loads(out.getvalue())["stages"]}

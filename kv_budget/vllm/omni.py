@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import inspect
 import logging
 import os
 import sys
@@ -69,7 +70,7 @@ from typing import Any
 from kv_budget.settings import CONFIG_KEY, SETTINGS, settings_from_additional_config
 from kv_budget.stage import Stage
 from kv_budget.vllm.flags import flag_dest, merged_section
-from kv_budget.vllm.omni_deployment import record_deployment
+from kv_budget.vllm.omni_deployment import lower_driver_copies, record_deployment
 from kv_budget.vllm.patching import patch_method
 from kv_budget.watch.status import EngineStatus, read_status
 
@@ -292,7 +293,9 @@ def check_overrides_across_stages() -> None:
 def patch_stage_runtime(stage_runtime_cls) -> None:
     """Wrap ``StageRuntime._build_logical_stage_init_plans`` (after vLLM-Omni
     loaded the plugins, before any stage starts: the deployment's record for
-    its stages to split, :func:`kv_budget.vllm.omni_deployment.record_deployment`),
+    its stages to split, :func:`kv_budget.vllm.omni_deployment.record_deployment`;
+    at ``_finalize_initialized_stages`` the driver's copies take the final
+    split, :func:`~kv_budget.vllm.omni_deployment.lower_driver_copies`),
     and the two places every
     stage is ready: ``StageRuntime._finalize_initialized_stages`` (one API
     server, or a Python driver) and the end of the context manager
@@ -317,9 +320,10 @@ def patch_stage_runtime(stage_runtime_cls) -> None:
         return _build_logical_stage_init_plans
 
     def wrap_finalize(original):
-        def _finalize_initialized_stages(self, *args, **kwargs):
+        def _finalize_initialized_stages(self, stage_plans, *args, **kwargs):
             check_overrides_across_stages()
-            return original(self, *args, **kwargs)
+            lower_driver_copies(stage_plans)
+            return original(self, stage_plans, *args, **kwargs)
         return _finalize_initialized_stages
 
     def wrap_launch(original):
@@ -408,16 +412,24 @@ def check_vllm_omni() -> str:
             f"kv-budget supports vLLM-Omni {', '.join(SUPPORTED_VLLM_OMNI)}, found {version}: its settings paths, "
             "stage runtime and stat logger were read for those releases (docs/support.md)")
     from vllm_omni.config.omni_config import VllmOmniConfig
+    from vllm_omni.engine import stage_admission, stage_init_utils
     from vllm_omni.engine.stage_runtime import StageRuntime
+    from vllm_omni.entrypoints import stage_utils
     from vllm_omni.metrics.stat_logger import OmniPrometheusStatLogger
 
     needed = [(VllmOmniConfig, "from_pipeline_config"), (StageRuntime, "_build_logical_stage_init_plans"),
               (StageRuntime, "_finalize_initialized_stages"), (StageRuntime, "launch_stage_engines"),
               (OmniPrometheusStatLogger, "register_replica"),
-              (OmniPrometheusStatLogger, "record")]
-    missing = [f"{cls.__name__}.{name}" for cls, name in needed if not hasattr(cls, name)]
+              (OmniPrometheusStatLogger, "record"),
+              # what the deployment's record reads, as vLLM-Omni's admission reads it
+              (stage_admission, "graph_reserve_bytes"), (stage_admission, "_diffusion_utilization"),
+              (stage_init_utils, "parse_physical_device_ids"), (stage_utils, "resolve_stage_physical_devices")]
+    missing = [f"{getattr(owner, '__name__', owner)}.{name}" for owner, name in needed if not hasattr(owner, name)]
+    finalize = list(inspect.signature(StageRuntime._finalize_initialized_stages).parameters)
+    if finalize[:2] != ["self", "stage_plans"]:
+        missing.append(f"StageRuntime._finalize_initialized_stages(self, stage_plans, ...) (it takes {finalize})")
     if missing:
-        raise UnsupportedVllmError(f"vLLM-Omni {version} lacks {', '.join(missing)}, which kv-budget wraps")
+        raise UnsupportedVllmError(f"vLLM-Omni {version} lacks {', '.join(missing)}, which kv-budget wraps or reads")
     return version
 
 

@@ -29,7 +29,15 @@ from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
-from kv_budget.deployment import DEPLOYMENT_ENV, DeploymentError, DeploymentRecord, create_deployment, deployment_path
+from kv_budget.deployment import (
+    DEPLOYMENT_ENV,
+    DeploymentError,
+    DeploymentRecord,
+    create_deployment,
+    deployment_path,
+    read_deployment,
+    split_max_num_seqs,
+)
 from kv_budget.ledger import default_ledger_dir, this_process
 from kv_budget.plan.deploy_file import StageDeploy
 from kv_budget.sample.device import MemorySamplingError, sample_memory
@@ -39,7 +47,7 @@ from kv_budget.units import format_bytes
 
 logger = logging.getLogger("vllm.kv_budget")
 
-__all__ = ["record_deployment"]
+__all__ = ["lower_driver_copies", "record_deployment"]
 
 PLANNING_POLICIES = (Policy.CAP, Policy.WARN)
 """Stages under these plan max_num_seqs, so record themselves; ``reserve``
@@ -196,6 +204,35 @@ def record_deployment(stage_plans: Any) -> Path | None:
     logger.info("kv-budget: deployment of %d stage(s) recorded in %s for its stages to split (%s); planning: %s",
                 len(stages), path, figures, ", ".join(s.label() for s in planning))
     return path
+
+
+def lower_driver_copies(stage_plans: Any) -> None:
+    """Once every stage is ready (``StageRuntime._finalize_initialized_stages``):
+    the driver's copy of each capped stage's ``max_num_seqs`` (the
+    ``stage_vllm_config`` its client holds) down to the stage's final split.
+    A stage that planned before the others answered ready with its
+    provisional value, which :mod:`kv_budget.vllm.frontend` copied; the
+    engine core applies the final one before its first request."""
+    from kv_budget.vllm.startup_hook import lower_max_num_seqs
+
+    path = os.environ.get(DEPLOYMENT_ENV)
+    if not path:
+        return
+    try:
+        record = read_deployment(Path(path))
+    except DeploymentError:
+        return  # the stages logged it when they planned
+    for plan in stage_plans:
+        for replica in plan.replicas:
+            stage = Stage(stage_id=plan.stage_id, replica=replica.replica_id)
+            entry = next((e for e in record.planned if e.stage == stage), None)
+            if entry is None or entry.policy != Policy.CAP.value or replica.stage_vllm_config is None:
+                continue
+            applied = lower_max_num_seqs(replica.stage_vllm_config.scheduler_config,
+                                         split_max_num_seqs(record, stage))
+            if applied:
+                logger.info("kv-budget: driver's copy of %s's config: %s (its final deployment split)",
+                            stage.label(), "; ".join(applied))
 
 
 def _remove(path: Path) -> None:
