@@ -1,9 +1,13 @@
 """One api_server under ``cap`` carries every check its settings allow:
 the startup plan and the cap on the engine, the frontend learning the cap,
 and vLLM's ``/metrics`` carrying the plan and the live figures. Then the
-same on ``vllm serve --api-server-count 2``. Both are ``hook_points`` runs
-(flags, startup hook, Scheduler cap, ready response; several API servers
-and multiprocess metrics): `make test` starts them on vLLM 0.30 too.
+same on ``vllm serve --api-server-count 2``. The single api_server is a
+``hook_points`` run (flags, startup hook, Scheduler cap, ready response,
+the AsyncLLM stat logger): `make test` starts it on vLLM 0.30 too. The two
+API servers run on the default vLLM (and every version in `make
+test-compat`): on vLLM 0.30 the ready response per API-server client and
+multiprocess metrics are what tests/test_omni_serve.py's
+``--api-server-count 2`` run goes through.
 
 The api_server serves the demo checkpoint with a 90 MiB headroom
 (``floor(90 MiB / 1,114,112 B) = 84`` of the configured 256). The talker
@@ -55,7 +59,7 @@ from kv_budget_demo.checkpoint import DEFAULT_TALKER, talker_bytes_per_row
 from kv_budget_demo.demo import STATS_DIR_ENV, read_peak_stats
 from kv_budget_demo.serving import ApiServer, LoadResult, send_completions
 
-pytestmark = [pytest.mark.engine, pytest.mark.hook_points]
+pytestmark = pytest.mark.engine
 
 HEADROOM = 90 * MiB
 PER_SEQ = talker_bytes_per_row(DEFAULT_TALKER)  # 1,114,112 B
@@ -64,6 +68,7 @@ TALKER_ROW, POSTNET_ROW = 2 * 4 * 2 * 64 * 256 * 4, 2 * 1 * 2 * 64 * 64 * 4  # t
 SERVE_CLI = Path(__file__).with_name("serve_cli_run.py")
 
 
+@pytest.mark.hook_points
 def test_the_hand_computed_cap():
     assert PER_SEQ == TALKER_ROW + POSTNET_ROW == 1_114_112
     assert CAP == 84 and CAP * PER_SEQ <= HEADROOM < (CAP + 1) * PER_SEQ
@@ -269,6 +274,7 @@ def _load_while_scraping(served: Served, stats_dir: Path) -> Loaded:
 
 # --- the engine: the startup plan and the cap ---
 
+@pytest.mark.hook_points
 def test_cap_answers_all_256_concurrent_requests(api_server):
     load = api_server.loaded.load
     assert load.failed == 0, load.errors
@@ -276,6 +282,7 @@ def test_cap_answers_all_256_concurrent_requests(api_server):
     assert load.output_tokens == 256 * 16
 
 
+@pytest.mark.hook_points
 def test_cap_report_matches_the_hand_computed_cap(api_server):
     report = api_server.report
     assert report["decision"] == "capped"
@@ -287,6 +294,7 @@ def test_cap_report_matches_the_hand_computed_cap(api_server):
         ("talker", "talker_request_kv"), ("talker", "postnet_request_kv")}
 
 
+@pytest.mark.hook_points
 def test_cap_really_caps_what_the_model_holds(api_server):
     (stats,) = api_server.loaded.stats.values()
     assert stats["peak_sequences"] <= CAP
@@ -296,6 +304,7 @@ def test_cap_really_caps_what_the_model_holds(api_server):
     assert stats["peak_bytes"] <= HEADROOM
 
 
+@pytest.mark.hook_points
 def test_cap_logs_the_plan_table_with_owner_paths_and_figures(api_server):
     log = api_server.server.log_text()
     assert "model-local KV plan: policy=cap decision=capped" in log
@@ -305,6 +314,7 @@ def test_cap_logs_the_plan_table_with_owner_paths_and_figures(api_server):
     assert "collect + sample + plan took" in log
 
 
+@pytest.mark.hook_points
 def test_cap_lowers_max_num_seqs_and_the_built_scheduler_runs_with_it(api_server):
     log = api_server.server.log_text()
     if has_max_num_active_seqs():
@@ -318,6 +328,7 @@ def test_cap_lowers_max_num_seqs_and_the_built_scheduler_runs_with_it(api_server
         rf"kv-budget: Scheduler built \(class (Async)?Scheduler\) with max_num_running_reqs {CAP}, the cap", log)
 
 
+@pytest.mark.hook_points
 def test_cap_report_and_log_name_the_vllm_that_ran(api_server):
     report = api_server.report
     assert report["vllm_version"] == vllm_version()
@@ -327,6 +338,7 @@ def test_cap_report_and_log_name_the_vllm_that_ran(api_server):
 
 # --- A: the frontend learns the cap ---
 
+@pytest.mark.hook_points
 def test_the_frontend_logs_the_cap_it_took_from_the_ready_response(api_server):
     log = api_server.server.log_text()
     active = f"; max_num_active_seqs 200 -> {CAP}" if has_max_num_active_seqs() else ""
@@ -334,6 +346,7 @@ def test_the_frontend_logs_the_cap_it_took_from_the_ready_response(api_server):
     assert log.count("kv-budget: frontend max_num_seqs") == 1
 
 
+@pytest.mark.hook_points
 def test_the_frontends_config_holds_the_cap(api_server):
     status, text = _get(f"{api_server.server.url}/server_info?config_format=json")
     assert status == 200, text[:500]
@@ -343,6 +356,7 @@ def test_the_frontends_config_holds_the_cap(api_server):
         assert scheduler["max_num_active_seqs"] == CAP
 
 
+@pytest.mark.hook_points
 def test_n_above_the_cap_is_rejected_by_the_frontend_and_n_at_the_cap_runs(api_server):
     status, body = _generate(api_server.server, CAP + 1)
     assert status == 400, body
@@ -354,10 +368,12 @@ def test_n_above_the_cap_is_rejected_by_the_frontend_and_n_at_the_cap_runs(api_s
 
 # --- B: the plan and live figures on /metrics ---
 
+@pytest.mark.hook_points
 def test_metrics_carry_the_startup_plan(api_server):
     _assert_plan_on_metrics(api_server.loaded.plan, api_server.report, api_server.server.model)
 
 
+@pytest.mark.hook_points
 def test_metrics_can_be_scraped_under_load_and_show_the_live_figures(api_server):
     loaded = api_server.loaded
     assert loaded.load.failed == 0 and loaded.load.completed == 256, loaded.load.errors
