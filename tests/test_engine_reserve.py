@@ -2,12 +2,12 @@
 ``reserve`` keeps ``max_num_seqs`` and takes model-local KV out of the paged
 pool before vLLM allocates it; ``off`` leaves vLLM untouched and is the
 pool every reservation is measured against. The single-worker reserve run
-and the ``off`` run are ``hook_points`` runs (the executor's pool hooks):
-`make test` starts them on vLLM 0.30 too. The two-worker run adds no hook
-point (``collective_rpc`` over two workers is test_engine_workers.py's
-``hook_points`` run) and the refusal is kv-budget's own arithmetic: both
-on the default vLLM only (`make test-compat` runs every one on every
-version).
+is the ``hook_points`` run (the executor's pool hooks): `make test` starts
+it on vLLM 0.30 too. The ``off`` run and the pool's cost against it, the
+two-worker run (``collective_rpc`` over two workers is
+test_engine_workers.py's ``hook_points`` run) and the refusal (kv-budget's
+own arithmetic) run on the default vLLM only; `make test-compat` runs every
+one on every version.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ def off_run(checkpoint, tmp_path_factory) -> LlmRun:
     return run_llm(checkpoint, tmp_path_factory.mktemp("off"), {"policy": "off", "headroom_bytes": "96MiB"})
 
 
-@pytest.mark.hook_points
 def test_off_leaves_vllm_untouched(off_run):
     assert off_run.returncode == 0, off_run.output[-3000:]
     assert off_run.result["completed"] == 256
@@ -76,7 +75,6 @@ def test_reserve_covers_what_the_model_really_holds_at_peak(reserve_run):
     assert stats["peak_bytes"] == report["reserved_bytes"]  # 256 running: the prediction, to the byte
 
 
-@pytest.mark.hook_points
 def test_reserve_costs_the_pool_exactly_the_reserved_bytes_in_whole_blocks(reserve_run, off_run):
     report = reserve_run.report
     (reservation,) = report["reservations"]

@@ -40,7 +40,7 @@ LEFT = 96 * MiB
 """4,288 MiB - 2 x int(4,288 MiB x 0.25) - 1 GiB - 1 GiB, worked by hand."""
 SPLIT = (LEFT * 64 // 96 // PER_SEQ, LEFT * 32 // 96 // PER_SEQ)
 """(60, 30): each stage's share of LEFT in proportion to per_seq x configured."""
-MAX_TOKENS = 8
+MAX_TOKENS = 4
 
 
 def start(work, requests: int, **omni_kwargs):
