@@ -372,10 +372,12 @@ def split_max_num_seqs(record: DeploymentRecord, stage: Stage) -> int | None:
     it scales with sequences and its fixed part fits); None when it has not
     recorded."""
     entry = next((e for e in record.planned if e.stage == stage), None)
-    if entry is None:
-        return None
+    return None if entry is None else _max_num_seqs(entry, split_for(record, stage))
+
+
+def _max_num_seqs(entry: PlannedStage, split: StageSplit) -> int:
     bounds = [safe_max_num_seqs(part.room_bytes, entry.budget.uncharged_fixed_bytes, entry.budget.per_seq_bytes)
-              for part in split_for(record, stage).devices]
+              for part in split.devices]
     return min([bound for bound in bounds if bound is not None] + [entry.configured_max_num_seqs])
 
 
@@ -389,8 +391,9 @@ def starved(record: DeploymentRecord, stage: Stage) -> list[str]:
     for entry in record.planned:
         if entry.stage == stage or entry.policy != "cap" or not mine & set(record.devices_of(entry.stage)):
             continue
-        if split_max_num_seqs(record, entry.stage) == 0:
-            rooms = ", ".join(f"device {p.device}: {p.room_bytes:,} B" for p in split_for(record, entry.stage).devices)
+        split = split_for(record, entry.stage)
+        if _max_num_seqs(entry, split) == 0:
+            rooms = ", ".join(f"device {p.device}: {p.room_bytes:,} B" for p in split.devices)
             found.append(f"{entry.stage.label()} (uncharged fixed {entry.budget.uncharged_fixed_bytes:,} B, "
                          f"per sequence {entry.budget.per_seq_bytes:,} B; its part {rooms})")
     return found

@@ -44,7 +44,7 @@ from kv_budget.deployment import (
     split_for,
     starved,
 )
-from kv_budget.ledger import default_ledger_dir, open_ledger
+from kv_budget.ledger import LedgerSession, default_ledger_dir, open_ledger
 from kv_budget.override import (
     OverrideError,
     apply_overrides,
@@ -289,13 +289,8 @@ def final_deployment_plan(deployment: DeploymentPlanning, settings: ModelLocalKV
     plan = make_plan(workers, configured, settings.policy)
     if settings.ledger_dir != LEDGER_OFF and plan.decision is not Decision.INFEASIBLE:
         keys = [device or "" for device in deployment.devices]
-        recorded = []
         with open_ledger(ledger_directory(settings), keys) as ledger:
-            for device in sorted(set(keys)):
-                peak = sum(w.uncharged_fixed_bytes + w.per_seq_bytes * plan.effective_max_num_seqs
-                           for w, key in zip(workers, keys) if key == device)
-                mine = ledger.record(device, label, peak)
-                recorded.append(ReservationLine(device=device, engine=label, pid=mine.pid, reserved_bytes=peak))
+            recorded = _record_peaks(ledger, workers, keys, plan.effective_max_num_seqs, label)
         others = deployment.ledger.others if deployment.ledger is not None else []
         plan = plan.model_copy(update={"ledger": LedgerLine(directory=str(ledger_directory(settings)),
                                                             others=others, recorded=recorded)})
@@ -490,16 +485,24 @@ def _plan_on_shared_devices(
         ]
         recorded = []
         if plan.decision is not Decision.INFEASIBLE:
-            for device in per_device:
-                peak = sum(
-                    w.uncharged_fixed_bytes + w.per_seq_bytes * plan.effective_max_num_seqs
-                    for w, key in zip(shared, keys) if key == device
-                )
-                mine = ledger.record(device, label, peak)
-                recorded.append(ReservationLine(device=device, engine=label, pid=mine.pid, reserved_bytes=peak))
+            recorded = _record_peaks(ledger, shared, keys, plan.effective_max_num_seqs, label)
     return plan.model_copy(
         update={"ledger": LedgerLine(directory=str(directory), others=others_lines, recorded=recorded)}
     )
+
+
+def _record_peaks(ledger: LedgerSession, workers: list[WorkerBudget], keys: list[str], max_num_seqs: int,
+                  label: str) -> list[ReservationLine]:
+    """Record this engine's predicted peak per device (fixed + per sequence
+    x ``max_num_seqs`` of the workers on it), in the order the workers name
+    their devices."""
+    recorded = []
+    for device in dict.fromkeys(keys):
+        peak = sum(w.uncharged_fixed_bytes + w.per_seq_bytes * max_num_seqs
+                   for w, key in zip(workers, keys) if key == device)
+        mine = ledger.record(device, label, peak)
+        recorded.append(ReservationLine(device=device, engine=label, pid=mine.pid, reserved_bytes=peak))
+    return recorded
 
 
 def record_in_ledger(settings: ModelLocalKVSettings, devices: list[str | None], reserved: list[int],
