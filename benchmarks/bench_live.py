@@ -1,18 +1,28 @@
-"""What live sampling costs a serving engine at 256 running sequences.
+"""What live sampling costs a serving engine at 256 running sequences,
+with per-step measurement on and off.
 
-Two api_servers on the demo model with request-lifetime caches (each of the
-256 running requests keeps its own ``DynamicCache`` rows, so every sample
-walks 256 caches), one after the other, the same load on each: live
-sampling on (``--model-local-kv-sample-interval``, default the plugin's
-default) and off (``0``). Policy ``warn`` with a headroom that fits 256
-sequences, so neither server caps and both run all 256 at once.
+Three api_servers on the demo model, one after the other, the same load on
+each: live sampling with sampled steps watched inside
+(``--model-local-kv-step-peaks on``, the default), live sampling with only
+the caches kept between steps (``off``), and no sampling
+(``--model-local-kv-sample-interval 0``). The talker builds its rows each
+step (``--lifetime step``, default: one ``DynamicCache`` of 256 rows per
+step, the cache per-step measurement exists for) or keeps one cache per
+request (``--lifetime request``: every sample walks 256 caches). Policy
+``warn`` with a headroom that fits 256 sequences, so no server caps and
+each runs all 256 at once.
 
-Two figures:
+Figures:
 
-* **direct**: the engine with sampling on times its own steps and the live
-  hook after each (samples included) and writes both to its status file;
-  overhead = hook time / step time. Exact, and free of the noise of a
-  shared machine.
+* **direct**: each sampling engine times its own steps and the live hook
+  around them (samples included) and writes both to its status file;
+  overhead = hook time / step time. The in-step tracking runs inside the
+  step, so for the watched server the overhead also counts the time the
+  workers report spending in it. Exact, and free of the noise of a shared
+  machine.
+* **sampled step**: what watching adds to the one step it watches: that
+  step's wall time (tracking included) against the mean of the other
+  steps, plus the sample after it.
 * **side by side**: median per-step wall time (load seconds x running
   sequences / output tokens) on each server, over ``--rounds`` loads of
   256 requests x ``--max-tokens`` tokens. On a shared 2-core machine this
@@ -20,7 +30,7 @@ Two figures:
   figure so the reader can judge.
 
     .venv/bin/python benchmarks/bench_live.py              # JSON into benchmarks/results/live.json
-    .venv/bin/python benchmarks/bench_live.py --interval 0.1
+    .venv/bin/python benchmarks/bench_live.py --interval 0.1 --lifetime request
 """
 
 from __future__ import annotations
@@ -44,11 +54,12 @@ HERE = Path(__file__).resolve().parent
 REQUESTS = 256
 
 
-def run_server(checkpoint: Path, work: Path, interval: float, rounds: int, max_tokens: int) -> dict:
-    label = "off" if interval == 0 else f"on ({interval:g} s)"
+def run_server(checkpoint: Path, work: Path, interval: float, step_peaks: bool, rounds: int, max_tokens: int) -> dict:
+    label = "off" if interval == 0 else f"on ({interval:g} s), step peaks {'on' if step_peaks else 'off'}"
     status_dir = work / "status"
     flags = ["--model-local-kv-policy", "warn", "--model-local-kv-headroom", str(512 * MiB),
-             "--model-local-kv-ledger-dir", "off", "--model-local-kv-sample-interval", str(interval)]
+             "--model-local-kv-ledger-dir", "off", "--model-local-kv-sample-interval", str(interval),
+             "--model-local-kv-step-peaks", "on" if step_peaks else "off"]
     run = DemoServer.create(checkpoint, work, flags)
     run.server.env[STATUS_DIR_ENV] = str(status_dir)
     loads = []
@@ -70,14 +81,24 @@ def run_server(checkpoint: Path, work: Path, interval: float, rounds: int, max_t
         "peak_sequences": peak_sequences,
     }
     if live is not None:
+        other_steps = live.steps - live.watched_steps
+        mean_other = (live.step_seconds_total - live.watched_step_seconds_total) / other_steps
+        mean_watched = live.watched_step_seconds_total / live.watched_steps if live.watched_steps else None
+        per_sample = live.sample_seconds_total / live.samples if live.samples else None
         result.update({
             "samples": live.samples,
             "steps": live.steps,
+            "watched_steps": live.watched_steps,
             "step_seconds_total": live.step_seconds_total,
             "hook_seconds_total": live.hook_seconds_total,
             "sample_seconds_total": live.sample_seconds_total,
-            "seconds_per_sample": live.sample_seconds_total / live.samples if live.samples else None,
-            "direct_overhead_fraction": live.hook_seconds_total / live.step_seconds_total,
+            "seconds_per_sample": per_sample,
+            "mean_seconds_per_other_step": mean_other,
+            "mean_seconds_per_watched_step": mean_watched,
+            "sampled_step_extra_seconds": (
+                mean_watched - mean_other + per_sample if mean_watched is not None else per_sample),
+            "direct_overhead_fraction": (live.hook_seconds_total + live.watched_steps * max(
+                (mean_watched or mean_other) - mean_other, 0.0)) / live.step_seconds_total,
         })
     return result
 
@@ -88,34 +109,46 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"sample interval of the 'on' server in seconds (default {DEFAULT_SAMPLE_INTERVAL_S:g})")
     parser.add_argument("--rounds", type=int, default=3, help="loads of 256 requests per server (default 3)")
     parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default 64)")
+    parser.add_argument("--lifetime", choices=("step", "request"), default="step",
+                        help="the talker's rows: built each step (default) or kept per request")
     parser.add_argument("--work", default="benchmarks/out/live", help="working directory")
     parser.add_argument("--json", default=str(HERE / "results" / "live.json"), help="where to write the figures")
     args = parser.parse_args(argv)
     work = Path(args.work)
-    checkpoint = write_demo_checkpoint(work / "checkpoint", {**DEFAULT_TALKER, "lifetime": "request"})
+    checkpoint = write_demo_checkpoint(work / "checkpoint", {**DEFAULT_TALKER, "lifetime": args.lifetime})
     start = time.time()
-    on = run_server(checkpoint, work / "on", args.interval, args.rounds, args.max_tokens)
-    off = run_server(checkpoint, work / "off", 0, args.rounds, args.max_tokens)
-    side_by_side = on["median_seconds_per_step"] / off["median_seconds_per_step"] - 1
+    watched = run_server(checkpoint, work / "watched", args.interval, True, args.rounds, args.max_tokens)
+    between = run_server(checkpoint, work / "between", args.interval, False, args.rounds, args.max_tokens)
+    off = run_server(checkpoint, work / "off", 0, True, args.rounds, args.max_tokens)
+    servers = (watched, between, off)
+    for r in servers:
+        r["side_by_side_step_time_change"] = r["median_seconds_per_step"] / off["median_seconds_per_step"] - 1
     print(f"{REQUESTS} concurrent requests x {args.max_tokens} tokens, {args.rounds} round(s) per server; "
-          f"demo talker keeps one DynamicCache per request")
-    print(f"{'live sampling':16} {'completed':>10} {'s/step (median)':>16} {'max running':>12}")
-    for r in (on, off):
-        print(f"{r['label']:16} {sum(r['completed']):>6}/{REQUESTS * args.rounds:<3} "
-              f"{r['median_seconds_per_step']:>16.4f} {r['peak_sequences']:>12}")
-    print(f"direct: {on['samples']} samples, {on['seconds_per_sample'] * 1e3:.2f} ms each; hook "
-          f"{on['hook_seconds_total']:.3f} s over {on['steps']} steps of {on['step_seconds_total']:.1f} s: "
-          f"{on['direct_overhead_fraction']:.3%} overhead")
-    print(f"side by side: per-step time {side_by_side:+.2%} with sampling on (noise of this machine included)")
+          f"demo talker rows per {args.lifetime}")
+    print(f"{'live sampling':34} {'completed':>10} {'s/step (median)':>16} {'vs off':>8} {'max running':>12}")
+    for r in servers:
+        print(f"{r['label']:34} {sum(r['completed']):>6}/{REQUESTS * args.rounds:<3} "
+              f"{r['median_seconds_per_step']:>16.4f} {r['side_by_side_step_time_change']:>+8.2%} "
+              f"{r['peak_sequences']:>12}")
+    for r in (watched, between):
+        print(f"direct, {r['label']}: {r['samples']} samples ({r['watched_steps']} steps watched inside), "
+              f"{r['seconds_per_sample'] * 1e3:.2f} ms each; {r['direct_overhead_fraction']:.3%} of "
+              f"{r['step_seconds_total']:.1f} s over {r['steps']} steps")
+    print(f"a sampled step, watched inside: {watched['sampled_step_extra_seconds'] * 1e3:.2f} ms more than another "
+          f"(watched step {watched['mean_seconds_per_watched_step'] * 1e3:.2f} ms against "
+          f"{watched['mean_seconds_per_other_step'] * 1e3:.2f} ms, plus the sample)")
     document = {
-        "benchmark": "live sampling overhead at 256 running sequences",
+        "benchmark": "live sampling overhead at 256 running sequences, per-step measurement on and off",
         "requests": REQUESTS,
         "max_tokens": args.max_tokens,
         "rounds": args.rounds,
-        "on": on,
+        "lifetime": args.lifetime,
+        "step_peaks_on": watched,
+        "step_peaks_off": between,
         "off": off,
-        "direct_overhead_fraction": on["direct_overhead_fraction"],
-        "side_by_side_step_time_change": side_by_side,
+        "direct_overhead_fraction": watched["direct_overhead_fraction"],
+        "direct_overhead_fraction_step_peaks_off": between["direct_overhead_fraction"],
+        "sampled_step_extra_seconds": watched["sampled_step_extra_seconds"],
         "target_overhead_fraction": 0.01,
         "seconds": time.time() - start,
     }

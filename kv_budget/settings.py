@@ -103,6 +103,13 @@ class ModelLocalKVSettings(BaseModel):
     """Seconds between live samples of model-local KV while serving
     (:mod:`kv_budget.watch.live`); 0 turns live sampling off."""
 
+    step_peaks: bool = True
+    """Whether a sampled engine step also counts the caches that live only
+    inside it (:mod:`kv_budget.sample.in_step`): per-step working copies and
+    caches no declaration covers. Off: only caches kept between steps are
+    measured, and an owner declaring only ``invocation`` caches is not
+    observable."""
+
     overrides: tuple[str, ...] = ()
     """Operator corrections ``[STAGE:]OWNER/NAME:FIELD=VALUE`` (:mod:`kv_budget.override`),
     applied in order before planning. Kept as text: it crosses process
@@ -143,6 +150,14 @@ def _read_seconds(key: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
         raise ValueError(f"{_where(key)} = {value!r} is invalid: expected seconds >= 0 (0: no live sampling)")
     return float(value)
+
+
+def _read_switch(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if value in ("on", "off"):
+        return value == "on"
+    raise ValueError(f"{_where(key)} = {value!r} is invalid: expected 'on' or 'off' (or true/false)")
 
 
 def _read_declarations(key: str, value: Any) -> str:
@@ -233,6 +248,13 @@ SETTINGS: tuple[Setting, ...] = (
         "under-declaration lowers the live limit under cap; leaks and absent caches are logged; figures on "
         f"/metrics). 0 turns live sampling off. Default: {DEFAULT_SAMPLE_INTERVAL_S:g}.",
         _read_seconds, flag_type=seconds_argument,
+    ),
+    Setting(
+        "step_peaks", "--model-local-kv-step-peaks", None,
+        "on: a sampled engine step also measures the transformers caches that live only inside it (per-step "
+        "working copies, caches no declaration covers) at their peak; off: only caches kept between steps. "
+        "Default: on.",
+        _read_switch, choices=("on", "off"),
     ),
     Setting(
         "overrides", "--model-local-kv-override", "OWNER/NAME:FIELD=VALUE",

@@ -47,10 +47,10 @@ def install_fault(kind: str, rank: int = 0) -> None:
     elif kind == "live_sample_raises":
         from kv_budget.sample.caches import HeldBytes
 
-        def measure(self):
+        def measure_apart(self, apart):
             raise RuntimeError("injected live sample fault")
 
-        HeldBytes.measure = measure
+        HeldBytes.measure_apart = measure_apart
     else:
         raise ValueError(f"unknown fault {kind!r}")
 

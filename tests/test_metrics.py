@@ -13,6 +13,7 @@ import torch
 
 from kv_budget import Collection, ModelLocalKVSpec, OwnedSpec
 from kv_budget.plan.planner import budget_worker, headroom_override, make_plan
+from kv_budget.sample.in_step import InStepPeaks
 from kv_budget.watch.live import LiveMonitor, OwnerBytes, WorkerSample
 from kv_budget.watch.metrics import (
     DECLARATION_LABELS,
@@ -58,9 +59,13 @@ def _plan():
     return make_plan(workers, 256, "cap")
 
 
-def _sample(rank: int, sequences: int, excess: int = 0) -> WorkerSample:
-    return WorkerSample(rank=rank, seconds=0.001, owners=[
-        OwnerBytes(owner="talker", bytes=POOL + sequences * (STEP + excess)),
+def _sample(rank: int, sequences: int, excess: int = 0, watched: bool = False) -> WorkerSample:
+    """``watched``: the step was watched inside too, and held at once what it keeps after it."""
+    talker = POOL + sequences * (STEP + excess)
+    step = InStepPeaks(owners={"talker": talker, "codec": WINDOW}, undeclared={}, peak_bytes=talker + WINDOW,
+                       caches=2, updates=2, seconds=0.0)
+    return WorkerSample(rank=rank, seconds=0.001, step=step if watched else None, owners=[
+        OwnerBytes(owner="talker", bytes=talker),
         OwnerBytes(owner="codec", bytes=WINDOW),
     ])
 
@@ -77,8 +82,8 @@ def live_status(plan, tmp_path_factory) -> EngineStatus:
     monitor = LiveMonitor(plan, sample_interval_s=1.0)
     monitor.observe([_sample(0, 4), _sample(1, 4)], running=4, finished_unfreed=0, completed=3, now=1.0)
     monitor.note_cost(0.002)
-    update = monitor.observe([_sample(0, 6, EXCESS), _sample(1, 6)], running=5, finished_unfreed=1, completed=8,
-                             now=2.0)
+    update = monitor.observe([_sample(0, 6, EXCESS, watched=True), _sample(1, 6, watched=True)], running=5,
+                             finished_unfreed=1, completed=8, now=2.0)
     monitor.note_cost(0.003)
     assert update.lowered_limit == (HEADROOM_0 - FIXED) // (PER_SEQ + EXCESS) == 9
     status = EngineStatus(engine_index=1, model="/models/demo", pid=4242, updated_unix_s=1_700_000_000.5,
@@ -181,6 +186,9 @@ def test_live_figures_per_owner_rank_and_engine(live_status):
     assert value(samples, "kv_budget:live_owner_held_bytes", rank="0", owner="codec") == WINDOW
     assert value(samples, "kv_budget:live_held_bytes", rank="0") == talker_0 + WINDOW
     assert value(samples, "kv_budget:live_peak_bytes", rank="0") == talker_0 + WINDOW
+    assert value(samples, "kv_budget:live_step_peak_bytes", rank="0") == talker_0 + WINDOW
+    assert value(samples, "kv_budget:live_owner_step_bytes", rank="0", owner="talker") == talker_0
+    assert value(samples, "kv_budget:live_owner_step_allowed_bytes", rank="0", owner="talker") == POOL + held * STEP
     # Both samples ran no more sequences than the limit in force (10).
     assert value(samples, "kv_budget:live_peak_bytes_within_limit", rank="0") == talker_0 + WINDOW
     assert value(samples, "kv_budget:live_per_sequence_bytes", rank="0") == PER_SEQ + EXCESS

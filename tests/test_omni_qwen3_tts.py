@@ -259,3 +259,58 @@ def test_stateless_path_never_builds_a_cache(figures):
     assert stateless["pre_transformer_calls_with_cache"] == 0
     assert stateless["pre_transformer_calls_without_cache"] == 2
     assert stateless["held_caches"] == 0
+
+
+# --- the same stage watched inside its steps, by the serving engine's own code ---
+
+@pytest.fixture(scope="module")
+def watched(qwen3_tts):
+    """Two batched ICL requests, six chunks each, under kv-budget's in-step
+    tracker (``peers.vllm_omni.qwen3_tts.watch_in_step``), declared and eager."""
+    return {declared: qwen3_tts.watch_in_step(declared=declared) for declared in (True, False)}
+
+
+def test_in_step_tracking_counts_the_working_copy_with_every_cache_alive_beside_it(watched):
+    """At each working copy the tracker's running count equals the audit's
+    count of the caches alive then: the working copy, the batched copy of
+    the request caches (built by concatenation, never updated) and each
+    request's retained cache."""
+    run = watched[True]
+    moments = run["moments"]
+    assert len(moments) == 6
+    for moment in moments:
+        assert moment["tracked"] == {"decoder": moment["invocation_bytes"] + moment["retained_bytes"]}, moment
+    # The working copy at its largest: the 168 positions per row of its torch.cat storage, 2 rows.
+    assert max(m["working_copy_bytes"] for m in moments) == kv_bytes(WORKING_PEAK, rows=2)
+    peaks = run["peaks"]
+    assert peaks["owners"]["decoder"] == max(m["invocation_bytes"] + m["retained_bytes"] for m in moments)
+    assert peaks["undeclared"] == {}
+
+
+def test_on_the_eager_path_the_same_caches_are_undeclared_by_holding_module(watched):
+    run = watched[False]
+    for moment in run["moments"][1:]:  # the suffix steps: the decoder's working copies, the stage's kept caches
+        assert moment["tracked"] == {"decoder": moment["invocation_bytes"], "": moment["retained_bytes"]}, moment
+    first = run["moments"][0]  # the first chunk: the prefix pass's cache and its working copy
+    assert sum(first["tracked"].values()) == first["invocation_bytes"] + first["retained_bytes"]
+    peaks = run["peaks"]
+    assert peaks["owners"] == {}
+    assert set(peaks["undeclared"]) == {"", "decoder", "decoder.pre_transformer"}
+    assert peaks["peak_bytes"] == watched[True]["peaks"]["peak_bytes"]
+
+
+def test_the_live_verdict_on_the_declared_working_copy_is_under_declared(watched):
+    from kv_budget.plan.planner import budget_worker, headroom_override, make_plan
+    from kv_budget.sample.in_step import InStepPeaks
+    from kv_budget.watch.live import LiveMonitor, WorkerSample
+
+    stage = watched[True]["stage"]
+    worker = budget_worker(collect_model_local_kv_specs(stage), headroom_override(kv_bytes(4096)), max_num_seqs=4)
+    monitor = LiveMonitor(make_plan([worker], 4, "cap"), step_peaks=True)
+    sample = WorkerSample(rank=0, owners=[{"owner": "decoder", "bytes": 0}], seconds=0.0,
+                          step=InStepPeaks.model_validate(watched[True]["peaks"]))
+    update = monitor.observe([sample], running=2, finished_unfreed=0, completed=0, now=0.0)
+    (finding,) = [f for f in update.findings if f.kind == "under-declared"]
+    declared_per_row = sum(line.bytes_per_row for line in worker.declarations)
+    assert finding.bytes == -(-(watched[True]["peaks"]["owners"]["decoder"] - 2 * declared_per_row) // 2)
+    assert monitor.state().ranks[0].owners[0].verdict == "under-declared"

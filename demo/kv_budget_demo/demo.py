@@ -4,7 +4,8 @@ Builds the demo checkpoint, starts a real vLLM api_server on 127.0.0.1 with
 the plugin under ``--model-local-kv-policy cap``, sends 256 concurrent
 requests, and prints the startup plan, how many requests completed, and the
 peak model-local bytes the model really held against the plan's prediction
-and the headroom.
+and the headroom, beside the peak kv-budget measured live inside the
+sampled steps, as ``/metrics`` showed it during the load.
 
 On a machine without a GPU the headroom is an explicit override
 (:data:`CPU_HEADROOM`) sized so the cap bites; on a CUDA machine it is
@@ -19,7 +20,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass
+import threading
+import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kv_budget.plan.planner import Plan
@@ -88,6 +91,43 @@ class DemoServer:
                 max((s["peak_sequences"] for s in stats), default=0))
 
 
+LIVE_PEAK = "kv_budget:live_peak_bytes"
+"""The series that shows what the model held at once in the sampled steps."""
+
+
+@dataclass
+class MetricsWatch:
+    """Reads ``/metrics`` every half second while the load runs: the
+    largest :data:`LIVE_PEAK` it showed, and how many bodies were read."""
+
+    url: str
+    peak_bytes: int = 0
+    scrapes: int = 0
+    _done: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def read(self) -> None:
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as response:
+            body = response.read().decode()
+        self.scrapes += 1
+        for line in body.splitlines():
+            if line.startswith(LIVE_PEAK + "{"):
+                self.peak_bytes = max(self.peak_bytes, int(float(line.rsplit(" ", 1)[1])))
+
+    def __enter__(self) -> MetricsWatch:
+        def loop() -> None:
+            while not self._done.wait(0.5):
+                self.read()
+
+        self._thread = threading.Thread(target=loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join(timeout=30)
+
+
 def _has_cuda() -> bool:
     import torch
 
@@ -127,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(f"[demo] server healthy after {server.startup_seconds:.1f} s; sending {args.requests} "
               "concurrent requests", flush=True)
-        load = send_completions(server.url, str(checkpoint), requests=args.requests)
+        with MetricsWatch(server.url) as watch:
+            load = send_completions(server.url, str(checkpoint), requests=args.requests)
+        watch.read()  # after the load: the last sample is in
     finally:
         server.stop()
 
@@ -140,12 +182,14 @@ def main(argv: list[str] | None = None) -> int:
     measured, sequences = run.peak()
     print(f"[demo] peak model-local KV measured by the model: {format_bytes(measured)} "
           f"with {sequences} sequences at once")
+    print(f"[demo] peak measured live by kv-budget:           {format_bytes(watch.peak_bytes)} "
+          f"(/metrics {LIVE_PEAK}, inside the sampled steps; {watch.scrapes} scrapes)")
     print(f"[demo] peak predicted by the plan:                {format_bytes(plan.predicted_peak_bytes)} "
           f"at max_num_seqs={plan.effective_max_num_seqs}")
     print(f"[demo] headroom:                                  {format_bytes(plan.headroom_bytes)} "
           f"({plan.headroom_source})")
-    verdict = "within" if measured <= plan.headroom_bytes else "OVER"
+    verdict = "within" if max(measured, watch.peak_bytes) <= plan.headroom_bytes else "OVER"
     print(f"[demo] measured peak is {verdict} the headroom; measured == predicted: "
-          f"{measured == plan.predicted_peak_bytes}")
-    return 0 if load.failed == 0 and measured <= plan.headroom_bytes else 1
+          f"{measured == plan.predicted_peak_bytes}; live == measured: {watch.peak_bytes == measured}")
+    return 0 if load.failed == 0 and max(measured, watch.peak_bytes) <= plan.headroom_bytes else 1
 

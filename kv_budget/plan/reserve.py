@@ -34,9 +34,10 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from kv_budget.plan.planner import WorkerBudget
+from kv_budget.plan.planner import Headroom, Plan, WorkerBudget, make_plan, safe_max_num_seqs
+from kv_budget.settings import Policy
 
-__all__ = ["PoolReservation", "ReservePlan", "reserve_out_of_pool", "plan_reserve"]
+__all__ = ["PoolReservation", "ReservePlan", "reserve_out_of_pool", "plan_reserve", "watch_plan"]
 
 
 class PoolReservation(BaseModel):
@@ -149,3 +150,23 @@ def plan_reserve(
         max_concurrency_at_max_model_len=binding.num_blocks_after / blocks_per_sequence,
         feasible=all(r.pool_bytes_after >= r.needed_bytes for r in reservations),
     )
+
+
+def watch_plan(plan: ReservePlan, workers: list[WorkerBudget]) -> Plan:
+    """What live monitoring (:mod:`kv_budget.watch.live`) checks a
+    ``reserve`` engine against: each worker's reservation in place of a
+    headroom, so a measurement that shows the reservation short lowers the
+    live limit to what fits the reserved bytes. At the configured
+    ``max_num_seqs`` the declarations fit it by construction (the plan
+    says ``ok``); the pool stays as allocated."""
+    reserved = {r.rank: r.reserved_bytes for r in plan.reservations}
+    watched = []
+    for worker in workers:
+        room = reserved[worker.rank]
+        source = (f"reserved out of the paged pool: uncharged fixed {worker.uncharged_fixed_bytes:,} B + per-sequence "
+                  f"{worker.per_seq_bytes:,} B x max_num_seqs {plan.max_num_seqs}")
+        watched.append(worker.model_copy(update={
+            "headroom": Headroom(bytes=room, source=source),
+            "safe_max_num_seqs": safe_max_num_seqs(room, worker.uncharged_fixed_bytes, worker.per_seq_bytes),
+        }))
+    return make_plan(watched, plan.max_num_seqs, Policy.WARN).model_copy(update={"policy": Policy.RESERVE})

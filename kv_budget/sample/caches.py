@@ -77,6 +77,8 @@ __all__ = [
     "LayerBytes",
     "cache_breakdown",
     "measure_cache_bytes",
+    "cache_layer_storages",
+    "caches_in",
     "held_caches",
     "attribute_caches",
     "HeldBytes",
@@ -319,6 +321,24 @@ def cache_breakdown(cache: Cache, *, seen: set[tuple[str, int | None, int]] | No
     return result
 
 
+def cache_layer_storages(layer: Any) -> list[tuple[tuple[str, int | None, int], int]]:
+    """(storage, bytes) for each storage behind one layer's key/value
+    tensors, each once: what :mod:`kv_budget.sample.in_step` recounts when
+    the layer is updated. Same refusals as :func:`cache_breakdown`."""
+    _check_layer(layer)
+    seen: set[tuple[str, int | None, int]] = set()
+    storages = []
+    for attr in _KV_ATTRIBUTES:
+        for tensor in _tensors_in(getattr(layer, attr, None)):
+            for plain in _plain_tensors(tensor):
+                before = len(seen)
+                size = _storage_bytes(plain, seen)[0]
+                if len(seen) > before:
+                    storage = plain.untyped_storage()
+                    storages.append(((storage.device.type, storage.device.index, storage.data_ptr()), size))
+    return storages
+
+
 def measure_cache_bytes(cache: Cache) -> int:
     """Bytes a live transformers 5.x cache holds: the storages behind its
     key/value tensors, each once. Why storages and not views: see the module
@@ -330,7 +350,9 @@ def measure_cache_bytes(cache: Cache) -> int:
 # Finding caches
 
 
-def _caches_in(label: str, value: Any, depth: int) -> list[tuple[str, Cache]]:
+def caches_in(label: str, value: Any, depth: int = _CONTAINER_DEPTH) -> list[tuple[str, Cache]]:
+    """(path, cache) for every cache in ``value`` or in the lists, tuples,
+    dicts and plain objects inside it, up to ``depth`` levels."""
     if isinstance(value, Cache):
         return [(label, value)]
     found: list[tuple[str, Cache]] = []
@@ -338,13 +360,13 @@ def _caches_in(label: str, value: Any, depth: int) -> list[tuple[str, Cache]]:
         return found
     if isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
-            found.extend(_caches_in(f"{label}[{i}]", item, depth - 1))
+            found.extend(caches_in(f"{label}[{i}]", item, depth - 1))
     elif isinstance(value, dict):
         for key, item in value.items():
-            found.extend(_caches_in(f"{label}[{key!r}]", item, depth - 1))
+            found.extend(caches_in(f"{label}[{key!r}]", item, depth - 1))
     elif _is_plain_object(value):
         for attr, item in vars(value).items():
-            found.extend(_caches_in(f"{label}.{attr}", item, depth - 1))
+            found.extend(caches_in(f"{label}.{attr}", item, depth - 1))
     return found
 
 
@@ -374,7 +396,7 @@ def held_caches(owner: Any) -> list[tuple[str, str, Cache]]:
     for attr, value in attributes.items():
         if attr in _SKIPPED_MODULE_ATTRIBUTES and isinstance(owner, torch.nn.Module):
             continue
-        for path, cache in _caches_in(attr, value, _CONTAINER_DEPTH):
+        for path, cache in caches_in(attr, value, _CONTAINER_DEPTH):
             if id(cache) not in ids:
                 ids.add(id(cache))
                 found.append((attr, path, cache))
@@ -432,10 +454,17 @@ class HeldBytes:
 
     def measure(self) -> dict[str, int]:
         """Bytes per declaring owner (0 when it holds none), each storage once."""
+        return self.measure_apart(set())[0]
+
+    def measure_apart(self, apart: set[int]) -> tuple[dict[str, int], dict[str, int]]:
+        """:meth:`measure`, and the same figures without the caches whose
+        ids are in ``apart`` (those an in-step window already counted,
+        :mod:`kv_budget.sample.in_step`), from one walk."""
         held = {path: held_caches(obj) for path, obj in self.holders}
         paths = [path for path, _ in self.holders]
         _, assigned = attribute_caches(paths, held, set(self.owners))
         result = {owner: 0 for owner in self.owners}
+        rest = dict(result)
         seen: set[tuple[str, int | None, int]] = set()
         counted: set[int] = set()
         for path in paths:
@@ -443,8 +472,11 @@ class HeldBytes:
                 owner = assigned[id(cache)]
                 if owner in result and id(cache) not in counted:
                     counted.add(id(cache))
-                    result[owner] += self._cache_bytes(cache, seen)
-        return result
+                    size = self._cache_bytes(cache, seen)
+                    result[owner] += size
+                    if id(cache) not in apart:
+                        rest[owner] += size
+        return result, rest
 
     def _cache_bytes(self, cache: Cache, seen: set[tuple[str, int | None, int]]) -> int:
         """:func:`measure_cache_bytes` without the per-layer report: the

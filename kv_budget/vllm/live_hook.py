@@ -42,12 +42,14 @@ from typing import Any
 from kv_budget.deployment import StageSplit
 from kv_budget.plan.planner import Decision, Plan
 from kv_budget.sample.caches import HeldBytes, UnsupportedCacheError
+from kv_budget.sample.in_step import InStepTracker
 from kv_budget.settings import ModelLocalKVSettings, Policy
 from kv_budget.stage import Stage
 from kv_budget.startup import DeploymentPlanning, final_deployment_plan
+from kv_budget.vllm import cache_updates
 from kv_budget.vllm.compat import checked_vllm
 from kv_budget.vllm.patching import patch_method
-from kv_budget.watch.live import LiveMonitor, WorkerSample
+from kv_budget.watch.live import WATCHED_POLICIES, LiveMonitor, WorkerSample
 from kv_budget.watch.status import STATUS_DIR_ENV, EngineStatus, write_status
 
 logger = logging.getLogger("vllm.kv_budget")
@@ -55,26 +57,61 @@ logger = logging.getLogger("vllm.kv_budget")
 _scanners: dict[int, HeldBytes] = {}
 """Per worker process: id(model) -> its scanner, built on the first sample."""
 
+_trackers: dict[int, InStepTracker] = {}
+"""Per worker process: id(model) -> its in-step tracker, built on the first watched step."""
+
+
+def _per_model(table: dict, cls: type, model: Any, owners: list[str]) -> Any:
+    """This model's scanner or tracker, rebuilt when the owners change."""
+    found = table.get(id(model))
+    if found is None or found.owners != owners:
+        found = table[id(model)] = cls(model, owners)
+    return found
+
+
+def watch_step_on_worker(worker: Any, owners_by_rank: dict[int, list[str]]) -> dict:
+    """Runs in every worker (``collective_rpc``) before a sampled step:
+    open the in-step window (:mod:`kv_budget.vllm.cache_updates`) that the
+    next :func:`measure_on_worker` closes. ``error`` says why it cannot."""
+    start = time.perf_counter()
+    result: dict[str, Any] = {"rank": worker.rank, "error": None}
+    try:
+        result["error"] = cache_updates.install()
+        if result["error"] is None:
+            model = worker.model_runner.model
+            cache_updates.start(_per_model(_trackers, InStepTracker, model, owners_by_rank.get(worker.rank, [])))
+    except Exception as exc:  # noqa: BLE001 - a sample must never take the engine down
+        result["error"] = f"{type(exc).__name__}: {exc}"
+    result["seconds"] = time.perf_counter() - start
+    return result
+
 
 def measure_on_worker(worker: Any, owners_by_rank: dict[int, list[str]]) -> dict:
     """Runs in every worker (``collective_rpc``): the bytes each of this
-    rank's declaring owners holds now. Plain JSON data back; a cache the
-    audit cannot count is reported in ``error`` (sampling stops on that
-    rank rather than publish a partial figure)."""
+    rank's declaring owners holds now and, when a window was open, the
+    step's peaks (caches the window counted are not counted twice). Plain
+    JSON data back; a cache the audit cannot count is reported in ``error``
+    (sampling stops on that rank rather than publish a partial figure), a
+    window that could not count one in ``step_error``."""
     start = time.perf_counter()
     owners = owners_by_rank.get(worker.rank, [])
     model = worker.model_runner.model
-    result: dict[str, Any] = {"rank": worker.rank, "owners": [], "error": None}
+    result: dict[str, Any] = {"rank": worker.rank, "owners": [], "step": None, "step_error": None, "error": None}
+    tracker = cache_updates.stop()
+    window = tracker.end() if tracker is not None else None
     try:
-        scanner = _scanners.get(id(model))
-        if scanner is None or scanner.owners != owners:
-            scanner = _scanners[id(model)] = HeldBytes(model, owners)
-        result["owners"] = [{"owner": owner, "bytes": held} for owner, held in scanner.measure().items()]
+        scanner = _per_model(_scanners, HeldBytes, model, owners)
+        held, untouched = scanner.measure_apart(tracker.touched() if tracker is not None else set())
+        result["owners"] = [{"owner": owner, "bytes": size} for owner, size in held.items()]
+        if window is not None and window.error is not None:
+            result["step_error"] = window.error
+        elif window is not None:
+            result["step"] = window.with_untouched(untouched).model_dump()
     except UnsupportedCacheError as exc:
         result["error"] = str(exc)
     except Exception as exc:  # noqa: BLE001 - a sample must never take the engine down
         result["error"] = f"{type(exc).__name__}: {exc}"
-    result["seconds"] = time.perf_counter() - start
+    result["seconds"] = time.perf_counter() - start + (window.seconds if window is not None else 0.0)
     return result
 
 
@@ -100,7 +137,7 @@ class LiveHook:
     def __init__(self, core: Any, vllm_config: Any, plan: Plan, settings: ModelLocalKVSettings,
                  stage: Stage | None = None, overrides: list[str] | None = None,
                  unmatched_overrides: list[str] | None = None, deployment: StageSplit | None = None) -> None:
-        self.monitor = LiveMonitor(plan, settings.sample_interval_s)
+        self.monitor = LiveMonitor(plan, settings.sample_interval_s, settings.step_peaks)
         self.stage = stage
         self.overrides = list(overrides or [])
         """The overrides that applied here, as the workers filtered them for the stage."""
@@ -117,7 +154,36 @@ class LiveHook:
         self.limit_applied: int | None = None
         self.was_idle = True
         self.stopped: str | None = None
+        self.watching: float | None = None
+        """perf_counter when the coming step's window was opened, and what opening cost; None: no window."""
+        self.watch_seconds = 0.0
         self.write_status()
+
+    def before_step(self, core: Any) -> None:
+        """Open the workers' in-step windows when a sample is due and
+        requests are in the engine: the sample after the step closes them."""
+        if self.stopped is not None or not self.monitor.step_peaks or self.watching is not None:
+            return
+        scheduler = core.scheduler
+        if scheduler.get_num_unfinished_requests() == 0 or not self.monitor.due(time.monotonic()):
+            return
+        start = time.perf_counter()
+        try:
+            results = core.collective_rpc(watch_step_on_worker, args=(self.owners_by_rank,))
+        except Exception as exc:  # noqa: BLE001 - a sample must never take the engine down
+            results = [{"rank": "?", "error": f"the RPC failed: {type(exc).__name__}: {exc}"}]
+        errors = [f"rank {r['rank']}: {r['error']}" for r in results if r["error"]]
+        if errors:
+            self._stop_step_peaks("; ".join(errors))
+            core.collective_rpc(measure_on_worker, args=(self.owners_by_rank,))  # closes any window that opened
+            return
+        self.watching = start
+        self.watch_seconds = time.perf_counter() - start
+
+    def _stop_step_peaks(self, why: str) -> None:
+        self.monitor.step_peaks = False
+        logger.warning("kv-budget: live: in-step measurement off (caches kept between steps are still sampled): %s",
+                       why)
 
     def after_step(self, core: Any, outputs: Any) -> None:
         """Count completions, keep the limit applied, sample when due."""
@@ -132,13 +198,15 @@ class LiveHook:
         became_idle = idle and not self.was_idle
         self.was_idle = idle
         now = time.monotonic()
-        if self.stopped is None and (became_idle or (not idle and self.monitor.due(now))):
+        watched = self.watching is not None
+        if self.stopped is None and (watched or became_idle or (not idle and self.monitor.due(now))):
             self.sample(core, now)
 
     def sample(self, core: Any, now: float) -> None:
         """One sample of every worker. A failure stops sampling with one
         warning; it never fails the step (the startup cap stays in force)."""
         start = time.perf_counter()
+        opening, self.watching, self.watch_seconds = self.watch_seconds, None, 0.0
         try:
             results = core.collective_rpc(measure_on_worker, args=(self.owners_by_rank,))
         except Exception as exc:  # noqa: BLE001 - see the docstring
@@ -150,8 +218,15 @@ class LiveHook:
                 "kv-budget: live sampling stopped (the startup limit %d stays in force): %s",
                 self.monitor.limit, self.stopped)
             return
+        step_errors = [f"rank {r['rank']}: {r['step_error']}" for r in results if r.get("step_error")]
+        if step_errors:
+            self._stop_step_peaks("; ".join(step_errors))
         scheduler = core.scheduler
-        samples = [WorkerSample(rank=r["rank"], owners=r["owners"], seconds=r["seconds"]) for r in results]
+        watched = not step_errors and all(r.get("step") is not None for r in results)
+        samples = [
+            WorkerSample(rank=r["rank"], owners=r["owners"], seconds=r["seconds"], step=r["step"] if watched else None)
+            for r in results
+        ]
         update = self.monitor.observe(
             samples,
             running=len(scheduler.running),
@@ -168,7 +243,9 @@ class LiveHook:
                 "kv-budget: live: Scheduler.%s %d (live limit %d)",
                 checked_vllm().features.admission_limit, self.limit_applied, update.lowered_limit,
             )
-        self.monitor.note_cost(time.perf_counter() - start)
+        # What the sample cost the engine: opening the windows, tracking inside the step, this RPC.
+        tracking = max((r["step"]["seconds"] for r in results if watched), default=0.0)
+        self.monitor.note_cost(time.perf_counter() - start + opening + tracking)
         self.write_status()
 
     def write_status(self) -> None:
@@ -196,20 +273,21 @@ def start_live(core: Any, vllm_config: Any, plan: Plan, settings: ModelLocalKVSe
     """Attach a :class:`LiveHook` to ``core`` (policy cap or warn, sampling
     on), or only publish the startup plan when sampling is off or nothing
     is declared; return it (None under other policies)."""
-    if plan.policy not in (Policy.CAP, Policy.WARN):
+    if plan.policy not in WATCHED_POLICIES:
         return None
     hook = LiveHook(core, vllm_config, plan, settings, stage, overrides, unmatched_overrides,
                     deployment)  # writes the status
     if settings.sample_interval_s == 0:
         logger.info("kv-budget: live sampling off (--model-local-kv-sample-interval 0)")
         return hook
-    if not any(hook.owners_by_rank.values()):
+    if not any(hook.owners_by_rank.values()) and not settings.step_peaks:
         return hook
     core._kv_budget_live = hook
     logger.info(
-        "kv-budget: live sampling every %.3g s of %d declaring owner(s); status in %s",
-        settings.sample_interval_s, sum(len(o) for o in core._kv_budget_live.owners_by_rank.values()),
-        core._kv_budget_live.status_dir or "(no status directory: metrics off)",
+        "kv-budget: live sampling every %.3g s of %d declaring owner(s)%s; status in %s",
+        settings.sample_interval_s, sum(len(o) for o in hook.owners_by_rank.values()),
+        ", sampled steps watched inside (--model-local-kv-step-peaks on)" if settings.step_peaks else "",
+        hook.status_dir or "(no status directory: metrics off)",
     )
     return hook
 
@@ -274,6 +352,9 @@ def _wrap_step(original):
         hook = getattr(self, "_kv_budget_live", None)
         if hook is None:
             return original(self)
+        before = time.perf_counter()
+        hook.before_step(self)
+        watched = hook.watching is not None
         began = time.perf_counter()
         result = original(self)
         stepped = time.perf_counter()
@@ -281,7 +362,10 @@ def _wrap_step(original):
         monitor = hook.monitor
         monitor.steps += 1
         monitor.step_seconds_total += stepped - began
-        monitor.hook_seconds_total += time.perf_counter() - stepped
+        monitor.hook_seconds_total += began - before + time.perf_counter() - stepped
+        if watched:
+            monitor.watched_steps += 1
+            monitor.watched_step_seconds_total += stepped - began
         return result
 
     return step

@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 from kv_budget.plan.planner import WorkerBudget
-from kv_budget.plan.reserve import plan_reserve, reserve_out_of_pool
+from kv_budget.plan.reserve import ReservePlan, plan_reserve, reserve_out_of_pool
 from kv_budget.report import reserve_infeasible_message
 from kv_budget.settings import ModelLocalKVSettings, Policy, settings_from_additional_config
 from kv_budget.startup import ModelLocalKVInfeasibleError, record_in_ledger, report_reserve
@@ -41,6 +41,16 @@ _PENDING = "_kv_budget_reservation"
 
 _RESERVED = "_kv_budget_reserved"
 """Executor attribute set once a reservation came off its pool figure."""
+
+_WATCH = "_kv_budget_watch"
+"""Executor attribute holding what live monitoring of a reserve engine
+needs: the confirmed reservation, every worker's budget, the overrides applied."""
+
+
+def reservation_to_watch(executor: Any) -> tuple[ReservePlan, list[WorkerBudget], list[str]] | None:
+    """The confirmed reservation, the workers' budgets and the overrides
+    applied, once vLLM has allocated the reduced pool; None before."""
+    return getattr(executor, _WATCH, None)
 
 
 def reserved_in_pool(executor: Any) -> bool:
@@ -86,7 +96,8 @@ def reserve_in_pool(executor: Any, available: list[int], settings: ModelLocalKVS
         raise ModelLocalKVInfeasibleError(reserve_infeasible_message(plan))
     record_in_ledger(settings, [r.get("device") for r in results], [r.reserved_bytes for r in plan.reservations],
                      this_engine(vllm_config))
-    setattr(executor, _PENDING, (plan, binding, settings, time.perf_counter() - start))
+    setattr(executor, _PENDING, (plan, binding, settings, time.perf_counter() - start, workers,
+                                 results[0].get("overrides", [])))
     setattr(executor, _RESERVED, True)
     return [r.pool_bytes_after for r in plan.reservations]
 
@@ -96,7 +107,7 @@ def confirm_reservation(executor: Any, kv_cache_configs: list[Any]) -> None:
     pending = getattr(executor, _PENDING, None)
     if pending is None:
         return
-    plan, binding, settings, seconds = pending
+    plan, binding, settings, seconds, workers, overrides = pending
     delattr(executor, _PENDING)
     blocks_after = min(config.num_blocks for config in kv_cache_configs)
     block_bytes = [
@@ -123,6 +134,7 @@ def confirm_reservation(executor: Any, kv_cache_configs: list[Any]) -> None:
             "max_concurrency_at_max_model_len": blocks_after / confirmed.blocks_per_sequence,
         })
     report_reserve(confirmed, binding, settings, seconds, vllm_figures(), stage_of(executor.vllm_config))
+    setattr(executor, _WATCH, (confirmed, workers, overrides))
 
 
 def patch_executor(executor_cls) -> None:

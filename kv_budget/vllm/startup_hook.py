@@ -34,6 +34,7 @@ import time
 from typing import Any
 
 from kv_budget.plan.planner import Decision, Plan
+from kv_budget.plan.reserve import watch_plan
 from kv_budget.report import summary_line
 from kv_budget.settings import Policy, settings_from_additional_config
 from kv_budget.stage import Stage
@@ -54,7 +55,7 @@ from kv_budget.vllm.compat import (
 from kv_budget.vllm.live_hook import PendingSplit, start_live
 from kv_budget.vllm.omni import prefix_stage_logs, stage_of
 from kv_budget.vllm.patching import patch_method
-from kv_budget.vllm.pool_hook import reserved_in_pool
+from kv_budget.vllm.pool_hook import reservation_to_watch, reserved_in_pool
 from kv_budget.vllm.workers import collect_budgets, this_engine, vllm_figures
 
 logger = logging.getLogger("vllm.kv_budget")
@@ -74,7 +75,12 @@ def plan_after_kv_caches(core: Any, vllm_config: Any) -> Plan | None:
     if settings.policy is Policy.RESERVE:
         if not reserved_in_pool(core.model_executor):
             refuse_reserve_without_pool(core, vllm_config, settings, stage)
-        return None  # reserve acted on the pool already (pool_hook)
+            return None
+        watched = reservation_to_watch(core.model_executor)
+        if watched is not None:  # reserve acted on the pool already (pool_hook); watch what it reserved
+            reservation, workers, overrides = watched
+            start_live(core, vllm_config, watch_plan(reservation, workers), settings, stage, overrides)
+        return None
     require_no_scheduler_yet(core)
     scheduler_config = vllm_config.scheduler_config
     scheduler_problem = scheduler_class_problem(scheduler_config)

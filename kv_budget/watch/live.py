@@ -9,12 +9,16 @@ caches hold (:class:`kv_budget.sample.caches.HeldBytes`: storages, each once)
 and the engine core compares them, owner by owner, with what the owner's
 declarations allow at the number of sequences the workers may be holding.
 
-What a sample between two steps can see
-    Only caches kept from one step to the next: scopes ``request``,
-    ``session`` and ``model``, and fixed rows of any scope but
-    ``invocation``. An ``invocation`` cache lives inside one call and is
-    gone before the step returns; it stays in the plan as declared, and
-    an owner that declares only such caches is reported "not observable".
+What a sample sees
+    After the step, the caches kept from one step to the next: scopes
+    ``request``, ``session`` and ``model``, and fixed rows of any scope but
+    ``invocation``. With ``step_peaks`` on, the sampled step itself is
+    watched too (:mod:`kv_budget.sample.in_step`): the most each owner's
+    caches held at once inside it, ``invocation`` working copies included,
+    which is compared with every declaration the owner has; and the caches
+    built under the model's forward by modules that declare nothing
+    (``undeclared``). With it off, an owner that declares only
+    ``invocation`` caches is reported "not observable".
 
 How many sequences the workers may hold
     ``running`` (the scheduler's running requests, those in a batch still
@@ -26,13 +30,18 @@ How many sequences the workers may hold
 
 What happens (:class:`LiveMonitor`)
     * **under-declared**: an owner holds more than its declarations allow
-      at that many sequences. The excess is charged per sequence (a fixed
-      allocation left undeclared is over-charged when few sequences run:
-      declare it). Under ``cap`` the engine's live limit becomes
-      ``floor((headroom - uncharged fixed) / live per-sequence bytes)`` on
-      the binding rank, never above the current limit: requests already
-      running finish, new ones wait. Under ``warn`` the same figures are
-      logged and exported, nothing changes.
+      at that many sequences, after the step or at its peak inside it. The
+      excess is charged per sequence (a fixed allocation left undeclared is
+      over-charged when few sequences run: declare it). Under ``cap`` the
+      engine's live limit becomes ``floor((headroom - uncharged fixed) /
+      live per-sequence bytes)`` on the binding rank, never above the
+      current limit: requests already running finish, new ones wait. Under
+      ``reserve`` the same, with the bytes reserved out of the pool in
+      place of the headroom (the pool stays as allocated). Under ``warn``
+      the same figures are logged and exported, nothing changes.
+    * **undeclared**: a module that declares nothing held caches inside
+      the step; its bytes per sequence held count as excess, as for an
+      under-declared owner.
     * **declared but absent**: an owner whose retained per-sequence
       declarations have held nothing in any sample, after
       :data:`DEAD_AFTER_COMPLETED` requests completed with samples taken
@@ -54,6 +63,7 @@ from pydantic import BaseModel
 
 from kv_budget.declare.spec import RowDriver, Scope
 from kv_budget.plan.planner import Charge, Plan, WorkerBudget, safe_max_num_seqs
+from kv_budget.sample.in_step import InStepPeaks
 from kv_budget.settings import DEFAULT_SAMPLE_INTERVAL_S, Policy
 
 __all__ = [
@@ -86,7 +96,14 @@ DEAD_AFTER_COMPLETED = 16
 held nothing in every sample is reported "declared but absent". Fewer would
 flag a model whose first requests take a path without the cache."""
 
-Verdict = Literal["ok", "under-declared", "declared-but-absent", "leak", "not-observable", "idle"]
+Verdict = Literal["ok", "under-declared", "undeclared", "declared-but-absent", "leak", "not-observable", "idle"]
+
+WATCHED_POLICIES = (Policy.CAP, Policy.WARN, Policy.RESERVE)
+"""The policies whose engines are watched; ``off`` is not."""
+
+CORRECTING_POLICIES = (Policy.CAP, Policy.RESERVE)
+"""The policies under which a measurement lowers the live limit: ``cap``
+keeps what runs within the headroom, ``reserve`` within the reservation."""
 
 
 class OwnerBytes(BaseModel):
@@ -101,8 +118,11 @@ class WorkerSample(BaseModel):
 
     rank: int
     owners: list[OwnerBytes]
+    """After the step."""
     seconds: float
-    """What measuring took in the worker."""
+    """What measuring took in the worker (in-step tracking included)."""
+    step: InStepPeaks | None = None
+    """The sampled step's peaks; None when it was not watched."""
 
 
 class OwnerExpectation(BaseModel):
@@ -120,13 +140,22 @@ class OwnerExpectation(BaseModel):
     """The ``session`` part of the above: may stay held with no request running."""
     invocation_per_seq_bytes: int
     """Per-sequence rows held only inside a call: not seen between steps."""
+    invocation_fixed_bytes: int = 0
+    """Fixed rows held only inside a call."""
 
     @property
-    def observable(self) -> bool:
+    def retained(self) -> bool:
+        """Whether anything it declares is held between steps."""
         return self.retained_fixed_bytes > 0 or self.retained_per_seq_bytes > 0
 
     def allowed_bytes(self, sequences: int) -> int:
+        """What its declarations allow between steps."""
         return self.retained_fixed_bytes + self.retained_per_seq_bytes * sequences
+
+    def allowed_in_step_bytes(self, sequences: int) -> int:
+        """What its declarations allow at once inside a step: every one of them."""
+        return (self.retained_fixed_bytes + self.invocation_fixed_bytes
+                + (self.retained_per_seq_bytes + self.invocation_per_seq_bytes) * sequences)
 
 
 def owner_expectations(worker: WorkerBudget) -> list[OwnerExpectation]:
@@ -141,6 +170,8 @@ def owner_expectations(worker: WorkerBudget) -> list[OwnerExpectation]:
         if line.scope is Scope.INVOCATION:
             if per_sequence:
                 entry.invocation_per_seq_bytes += line.bytes_per_row
+            else:
+                entry.invocation_fixed_bytes += line.peak_bytes
         elif per_sequence:
             entry.retained_per_seq_bytes += line.bytes_per_row
             if line.scope is Scope.SESSION:
@@ -161,10 +192,17 @@ class OwnerLive(BaseModel):
 
     owner: str
     declarations: list[str]
+    """Empty for an ``undeclared`` holder."""
     bytes: int
+    """After the step."""
     peak_bytes: int
+    """The most it held at once in any sample, inside a step or after it."""
     allowed_bytes: int
     """What its retained declarations allow at the sequences the workers may hold."""
+    step_bytes: int | None = None
+    """The most it held at once inside the last watched step; None before one."""
+    step_allowed_bytes: int | None = None
+    """What all its declarations allow at once at the sequences of that step."""
     excess_per_seq_bytes: int
     """Largest excess seen, per sequence held (0 when never over)."""
     ever_held: bool
@@ -176,8 +214,12 @@ class RankLive(BaseModel):
 
     rank: int
     bytes: int
-    """Model-local bytes the declaring owners held at the last sample."""
+    """Model-local bytes the declaring owners held at the last sample, after its step."""
+    step_bytes: int | None = None
+    """The most every cache of the model held at once inside the last
+    watched step (undeclared ones included); None before one."""
     peak_bytes: int
+    """The most held at once in any sample, inside a step or after it."""
     peak_bytes_within_limit: int
     """Peak over the samples taken while no more sequences ran than the
     live limit allows: what the correction guarantees stays within the
@@ -195,7 +237,7 @@ class RankLive(BaseModel):
 class Finding(BaseModel):
     """Something a sample showed, logged once."""
 
-    kind: Literal["under-declared", "declared-but-absent", "leak", "limit-lowered", "nothing-fits"]
+    kind: Literal["under-declared", "undeclared", "declared-but-absent", "leak", "limit-lowered", "nothing-fits"]
     rank: int | None
     owner: str | None
     bytes: int
@@ -207,6 +249,8 @@ class LiveState(BaseModel):
 
     policy: Policy
     sample_interval_s: float
+    step_peaks: bool = False
+    """Whether sampled steps are watched inside (:mod:`kv_budget.sample.in_step`)."""
     samples: int
     running_sequences: int
     held_sequences: int
@@ -225,8 +269,13 @@ class LiveState(BaseModel):
     step_seconds_total: float = 0.0
     """Wall time of those steps, without the live hook."""
     hook_seconds_total: float = 0.0
-    """Wall time of the live hook after those steps, samples included: the
+    """Wall time of the live hook around those steps, samples included: the
     overhead, against ``step_seconds_total``."""
+    watched_steps: int = 0
+    """Steps watched inside (in-step windows open)."""
+    watched_step_seconds_total: float = 0.0
+    """Wall time of those steps, the workers' in-step tracking included:
+    against the other steps' mean, what watching adds to a sampled step."""
     ranks: list[RankLive]
     findings: list[Finding]
 
@@ -242,6 +291,8 @@ class _OwnerTrack:
     def __init__(self, expectation: OwnerExpectation) -> None:
         self.expectation = expectation
         self.bytes = 0
+        self.step_bytes: int | None = None
+        self.step_allowed: int | None = None
         self.peak = 0
         self.allowed = expectation.allowed_bytes(0)
         self.excess_per_seq = 0
@@ -255,13 +306,16 @@ class LiveMonitor:
     decides the live limit. Pure: the engine hook feeds it samples and
     applies what it returns."""
 
-    def __init__(self, plan: Plan, sample_interval_s: float = DEFAULT_SAMPLE_INTERVAL_S) -> None:
-        if plan.policy not in (Policy.CAP, Policy.WARN):
-            raise ValueError(f"live monitoring follows a cap or warn plan, not {plan.policy.value}")
+    def __init__(self, plan: Plan, sample_interval_s: float = DEFAULT_SAMPLE_INTERVAL_S,
+                 step_peaks: bool = False) -> None:
+        if plan.policy not in WATCHED_POLICIES:
+            raise ValueError(f"live monitoring follows a cap, warn or reserve plan, not {plan.policy.value}")
         if not sample_interval_s >= 0:
             raise ValueError(f"sample_interval_s={sample_interval_s!r} must be >= 0 (0: never due)")
         self.plan = plan
         self.sample_interval_s = sample_interval_s
+        self.step_peaks = step_peaks
+        """Whether samples carry in-step peaks; the hook turns it off when a window fails."""
         self.workers = {worker.rank: worker for worker in plan.workers}
         self.owners = {
             worker.rank: {e.owner: _OwnerTrack(e) for e in owner_expectations(worker)} for worker in plan.workers
@@ -279,10 +333,15 @@ class LiveMonitor:
         self.peak = {rank: 0 for rank in self.workers}
         self.peak_within_limit = {rank: 0 for rank in self.workers}
         self.bytes = {rank: 0 for rank in self.workers}
+        self.step_bytes: dict[int, int | None] = {rank: None for rank in self.workers}
+        self.undeclared: dict[int, dict[str, _OwnerTrack]] = {rank: {} for rank in self.workers}
+        """Per rank, the modules that declare nothing and held caches inside a step."""
         self.findings: list[Finding] = []
         self.steps = 0
         self.step_seconds_total = 0.0
         self.hook_seconds_total = 0.0
+        self.watched_steps = 0
+        self.watched_step_seconds_total = 0.0
         """Filled in by the engine hook, which times the steps and itself."""
         self._last_sample_at: float | None = None
         self._excess_grew = False
@@ -327,24 +386,64 @@ class LiveMonitor:
         rank = sample.rank
         tracks = self.owners.get(rank, {})
         measured = {entry.owner: entry.bytes for entry in sample.owners}
+        step = sample.step
         found: list[Finding] = []
         for owner, track in tracks.items():
-            held = measured.get(owner, 0)
-            track.bytes = held
-            track.peak = max(track.peak, held)
-            track.ever_held = track.ever_held or held > 0
+            track.bytes = measured.get(owner, 0)
             track.allowed = track.expectation.allowed_bytes(self.held)
-            found.extend(self._judge(rank, track))
+            if step is not None:
+                track.step_bytes = step.owners.get(owner, 0)
+                track.step_allowed = track.expectation.allowed_in_step_bytes(self.held)
+            found.extend(self._judge(rank, track, watched=step is not None))
         total = sum(track.bytes for track in tracks.values())
         self.bytes[rank] = total
-        self.peak[rank] = max(self.peak[rank], total)
+        at_once = total
+        if step is not None:
+            found.extend(self._observe_undeclared(rank, step.undeclared))
+            self.step_bytes[rank] = step.peak_bytes
+            at_once = max(total, step.peak_bytes)
+        self.peak[rank] = max(self.peak[rank], at_once)
         if self.running <= self.limit:
-            self.peak_within_limit[rank] = max(self.peak_within_limit[rank], total)
+            self.peak_within_limit[rank] = max(self.peak_within_limit[rank], at_once)
         return found
 
-    def _judge(self, rank: int, track: _OwnerTrack) -> list[Finding]:
+    def _observe_undeclared(self, rank: int, undeclared: dict[str, int]) -> list[Finding]:
+        """Modules that declare nothing and held caches inside the step:
+        their bytes per sequence held are excess, as an under-declaration's."""
+        tracks = self.undeclared[rank]
+        for holder in undeclared:
+            if holder not in tracks:
+                tracks[holder] = _OwnerTrack(OwnerExpectation(
+                    owner=holder, declarations=[], retained_fixed_bytes=0, retained_per_seq_bytes=0,
+                    session_per_seq_bytes=0, invocation_per_seq_bytes=0))
+        found: list[Finding] = []
+        for holder, track in tracks.items():
+            track.step_bytes = undeclared.get(holder, 0)
+            track.step_allowed = 0
+            track.peak = max(track.peak, track.step_bytes)
+            track.ever_held = track.ever_held or track.step_bytes > 0
+            if not (self.held and track.step_bytes):
+                continue
+            excess = math.ceil(track.step_bytes / self.held)
+            if excess > track.excess_per_seq:
+                track.excess_per_seq = excess
+                self._excess_grew = True
+                if "undeclared" not in track.reported:
+                    track.reported.add("undeclared")
+                    found.append(Finding(kind="undeclared", rank=rank, owner=holder, bytes=excess, message=(
+                        f"rank {rank} module {holder or '<root>'!r} held {track.step_bytes:,} B of transformers "
+                        f"caches at once inside the step with {self.held} sequence(s) held, and declares none: "
+                        f"undeclared, {excess:,} B per sequence counted as excess")))
+        return found
+
+    def _judge(self, rank: int, track: _OwnerTrack, watched: bool) -> list[Finding]:
+        """One declaring owner's findings at this sample; ``watched``: the
+        sample carries the step's in-step peaks."""
         expectation = track.expectation
-        if not expectation.observable:
+        at_once = max(track.bytes, track.step_bytes or 0) if watched else track.bytes
+        track.peak = max(track.peak, at_once)
+        track.ever_held = track.ever_held or at_once > 0
+        if not (expectation.retained or self.step_peaks):
             return []
         found: list[Finding] = []
         owner = f"rank {rank} owner {expectation.owner or '<root>'!r}"
@@ -355,22 +454,34 @@ class LiveMonitor:
                 track.reported.add(kind)
                 found.append(Finding(kind=kind, rank=rank, owner=expectation.owner, bytes=size, message=message))
 
-        if self.held and track.bytes > track.allowed:
-            excess = math.ceil((track.bytes - track.allowed) / self.held)
-            if excess > track.excess_per_seq:
-                track.excess_per_seq = excess
-                self._excess_grew = True
-                once("under-declared", excess, (
-                    f"{owner} holds {track.bytes:,} B with {self.held} sequence(s) held, where its declarations "
-                    f"({labels}) allow {track.allowed:,} B ({expectation.retained_fixed_bytes:,} B fixed + "
-                    f"{expectation.retained_per_seq_bytes:,} B per sequence): under-declared by {excess:,} B per "
-                    "sequence"))
-        if (expectation.retained_per_seq_bytes and not track.ever_held
+        between = math.ceil((track.bytes - track.allowed) / self.held) if self.held else 0
+        inside = 0
+        if watched and self.held and track.step_bytes is not None and track.step_allowed is not None:
+            inside = math.ceil((track.step_bytes - track.step_allowed) / self.held)
+        excess = max(between, inside)
+        if excess > track.excess_per_seq:
+            track.excess_per_seq = excess
+            self._excess_grew = True
+            if inside >= between:
+                fixed = expectation.retained_fixed_bytes + expectation.invocation_fixed_bytes
+                per_seq = expectation.retained_per_seq_bytes + expectation.invocation_per_seq_bytes
+                measured = (f"held {track.step_bytes:,} B at once inside the step with {self.held} sequence(s) held, "
+                            f"where all its declarations ({labels}) allow {track.step_allowed:,} B")
+            else:
+                fixed, per_seq = expectation.retained_fixed_bytes, expectation.retained_per_seq_bytes
+                measured = (f"holds {track.bytes:,} B with {self.held} sequence(s) held, where its declarations "
+                            f"({labels}) allow {track.allowed:,} B")
+            once("under-declared", excess, (
+                f"{owner} {measured} ({fixed:,} B fixed + {per_seq:,} B per sequence): under-declared by "
+                f"{excess:,} B per sequence"))
+        per_seq_declared = expectation.retained_per_seq_bytes + (
+            expectation.invocation_per_seq_bytes if self.step_peaks else 0)
+        if (per_seq_declared and not track.ever_held
                 and self.completed >= DEAD_AFTER_COMPLETED and self.samples_while_running):
             once("declared-but-absent", 0, (
-                f"{owner} declares {labels} ({expectation.retained_per_seq_bytes:,} B per sequence, retained) but "
-                f"held no cache in {self.samples_while_running} sample(s) taken while sequences ran, after "
-                f"{self.completed} completed requests: declared but absent"))
+                f"{owner} declares {labels} ({per_seq_declared:,} B per sequence) but held no cache in "
+                f"{self.samples_while_running} sample(s) taken while sequences ran, after {self.completed} completed "
+                "requests: declared but absent"))
         if self.held == 0 and self.waiting == 0:
             leaked = track.bytes - expectation.retained_fixed_bytes
             track.leaked = max(leaked, 0)
@@ -383,7 +494,8 @@ class LiveMonitor:
     def rank_per_seq_bytes(self, rank: int) -> int:
         """Declared per-sequence bytes plus each owner's largest measured excess."""
         worker = self.workers[rank]
-        return worker.per_seq_bytes + sum(track.excess_per_seq for track in self.owners[rank].values())
+        tracks = [*self.owners[rank].values(), *self.undeclared[rank].values()]
+        return worker.per_seq_bytes + sum(track.excess_per_seq for track in tracks)
 
     def _correct(self, new: list[Finding]) -> int | None:
         """The lower limit the samples call for, or None. Under ``warn``
@@ -398,12 +510,13 @@ class LiveMonitor:
             return None
         bound, rank = min(bounds)
         worker = self.workers[rank]
+        room = "reserved" if self.plan.policy is Policy.RESERVE else "headroom"
         arithmetic = (
-            f"rank {rank}: floor((headroom {worker.headroom.bytes:,} B - uncharged fixed "
+            f"rank {rank}: floor(({room} {worker.headroom.bytes:,} B - uncharged fixed "
             f"{worker.uncharged_fixed_bytes:,} B) / live per-sequence {self.rank_per_seq_bytes(rank):,} B "
             f"(declared {worker.per_seq_bytes:,} B)) = {bound}"
         )
-        if self.plan.policy is not Policy.CAP:
+        if self.plan.policy not in CORRECTING_POLICIES:
             if bound < self.limit:
                 new.append(Finding(kind="limit-lowered", rank=rank, owner=None, bytes=0, message=(
                     f"max_num_seqs {self.limit} exceeds what fits by measurement ({arithmetic}); "
@@ -430,13 +543,15 @@ class LiveMonitor:
             owners = [
                 OwnerLive(
                     owner=owner, declarations=track.expectation.declarations, bytes=track.bytes,
-                    peak_bytes=track.peak, allowed_bytes=track.allowed, excess_per_seq_bytes=track.excess_per_seq,
+                    peak_bytes=track.peak, allowed_bytes=track.allowed, step_bytes=track.step_bytes,
+                    step_allowed_bytes=track.step_allowed, excess_per_seq_bytes=track.excess_per_seq,
                     ever_held=track.ever_held, verdict=self._verdict(track),
                 )
-                for owner, track in self.owners[rank].items()
+                for tracks in (self.owners[rank], self.undeclared[rank])
+                for owner, track in tracks.items()
             ]
             ranks.append(RankLive(
-                rank=rank, bytes=self.bytes[rank], peak_bytes=self.peak[rank],
+                rank=rank, bytes=self.bytes[rank], step_bytes=self.step_bytes[rank], peak_bytes=self.peak[rank],
                 peak_bytes_within_limit=self.peak_within_limit[rank], headroom_bytes=worker.headroom.bytes,
                 uncharged_fixed_bytes=worker.uncharged_fixed_bytes, declared_per_seq_bytes=worker.per_seq_bytes,
                 live_per_seq_bytes=per_seq,
@@ -444,16 +559,20 @@ class LiveMonitor:
                 owners=owners,
             ))
         return LiveState(
-            policy=self.plan.policy, sample_interval_s=self.sample_interval_s, samples=self.samples,
+            policy=self.plan.policy, sample_interval_s=self.sample_interval_s, step_peaks=self.step_peaks,
+            samples=self.samples,
             running_sequences=self.running, held_sequences=self.held, completed_requests=self.completed,
             startup_max_num_seqs=self.plan.effective_max_num_seqs, limit=self.limit, corrections=self.corrections,
             last_sample_seconds=self.last_sample_seconds, sample_seconds_total=self.sample_seconds_total,
             steps=self.steps, step_seconds_total=self.step_seconds_total, hook_seconds_total=self.hook_seconds_total,
+            watched_steps=self.watched_steps, watched_step_seconds_total=self.watched_step_seconds_total,
             ranks=ranks, findings=self.findings,
         )
 
     def _verdict(self, track: _OwnerTrack) -> Verdict:
-        if not track.expectation.observable:
+        if not track.expectation.declarations:
+            return "undeclared"
+        if not (track.expectation.retained or self.step_peaks):
             return "not-observable"
         if "leak" in track.reported and track.leaked > 0:
             return "leak"

@@ -169,17 +169,29 @@ METRICS: tuple[MetricSpec, ...] = (
           f"{_LIVE}.", OWNER_LABELS),
     _spec("live_owner_peak_bytes",
           f"Most bytes this declaring owner's caches held at any sample, {_LIVE}.", OWNER_LABELS),
+    _spec("live_owner_step_bytes",
+          f"Most bytes this owner's caches held at once inside the last sampled step (--model-local-kv-step-peaks "
+          f"on), per-step working copies included; for an undeclared holder, what it built under the forward, "
+          f"{_LIVE}.", OWNER_LABELS),
+    _spec("live_owner_step_allowed_bytes",
+          f"Bytes all this owner's declarations (every scope) allow at once at the sequences of that step, {_LIVE}.",
+          OWNER_LABELS),
     _spec("live_owner_allowed_bytes",
           f"Bytes this owner's retained declarations allow at the sequences the workers may hold at the last "
           f"sample (running plus finished but not yet freed), {_LIVE}.", OWNER_LABELS),
     _spec("live_owner_verdict_info",
-          f"1 on this owner's current verdict (ok, under-declared, declared-but-absent, leak, not-observable, "
-          f"idle), 0 on the others, {_LIVE}.", (*OWNER_LABELS, "verdict")),
+          f"1 on this owner's current verdict (ok, under-declared, undeclared, declared-but-absent, leak, "
+          f"not-observable, idle), 0 on the others, {_LIVE}.", (*OWNER_LABELS, "verdict")),
     # --- live, per worker
     _spec("live_held_bytes",
-          f"Bytes all declaring owners on this worker held at the last sample, {_LIVE}.", RANK_LABELS),
+          f"Model-local bytes this worker held at the last sample: the most at once inside its step when the step "
+          f"was watched, else the declaring owners' after it, {_LIVE}.", RANK_LABELS),
+    _spec("live_step_peak_bytes",
+          f"Most bytes every transformers cache of the model (undeclared ones included) held at once inside the "
+          f"last watched step, {_LIVE}.", RANK_LABELS),
     _spec("live_peak_bytes",
-          f"Most bytes all declaring owners on this worker held at any sample, {_LIVE}.", RANK_LABELS),
+          f"Most model-local bytes this worker held at once at any sample, inside a step or after it, {_LIVE}.",
+          RANK_LABELS),
     _spec("live_peak_bytes_within_limit",
           f"Most bytes held at a sample taken while no more sequences ran than the live limit: what the "
           f"correction keeps within the headroom, {_LIVE}.", RANK_LABELS),
@@ -302,7 +314,8 @@ def _live_samples(out: _Samples, live: LiveState) -> None:
         out.add("live_findings", count, kind=kind)
     for rank_live in live.ranks:
         rank = str(rank_live.rank)
-        out.add("live_held_bytes", rank_live.bytes, rank=rank)
+        out.add("live_held_bytes", max(rank_live.bytes, rank_live.step_bytes or 0), rank=rank)
+        out.add("live_step_peak_bytes", rank_live.step_bytes, rank=rank)
         out.add("live_peak_bytes", rank_live.peak_bytes, rank=rank)
         out.add("live_peak_bytes_within_limit", rank_live.peak_bytes_within_limit, rank=rank)
         out.add("live_per_sequence_bytes", rank_live.live_per_seq_bytes, rank=rank)
@@ -311,6 +324,8 @@ def _live_samples(out: _Samples, live: LiveState) -> None:
             out.add("live_owner_held_bytes", owner.bytes, **labels)
             out.add("live_owner_peak_bytes", owner.peak_bytes, **labels)
             out.add("live_owner_allowed_bytes", owner.allowed_bytes, **labels)
+            out.add("live_owner_step_bytes", owner.step_bytes, **labels)
+            out.add("live_owner_step_allowed_bytes", owner.step_allowed_bytes, **labels)
             for verdict in VERDICTS:
                 out.add("live_owner_verdict_info", int(owner.verdict == verdict), **labels, verdict=verdict)
 

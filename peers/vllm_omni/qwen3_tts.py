@@ -87,6 +87,7 @@ __all__ = [
     "stateless",
     "stateless_declared",
     "measure",
+    "watch_in_step",
 ]
 
 _PKG = "vllm_omni.model_executor.models.qwen3_tts"
@@ -660,6 +661,59 @@ def measure() -> dict[str, Any]:
         "long_reference": _scenario(LONG_REFERENCE),
         "capped": _scenario(CAPPED),
     }
+
+
+def watch_in_step(*, declared: bool, requests: tuple[Request, ...] = BATCHED) -> dict[str, Any]:
+    """Drive ``requests`` with kv-budget's own in-step tracker watching, as
+    a serving engine watches a sampled step: :class:`InStepTracker` fed by
+    the engine glue's ``Cache.update`` hook (``kv_budget.vllm.cache_updates``).
+    With ``declared`` the real wrapper is attached, so the decoder declares;
+    without it nothing declares (the eager path).
+
+    At every working copy (right after ``pre_transformer`` wrote into it, an
+    :class:`InvocationProbe` event) the tracker's running count is recorded
+    beside this module's own count of the caches alive then: the working
+    copy, the batched copy of the request caches, and every request's
+    retained cache (``cache_breakdown``, one ``seen`` set). Returns those
+    moments and the window's peaks."""
+    from kv_budget.sample.in_step import InStepTracker
+    from kv_budget.vllm import cache_updates
+
+    problem = cache_updates.install()
+    if problem is not None:
+        raise RuntimeError(f"in-step tracking unavailable: {problem}")
+    stage = build_stage(async_chunk=True)
+    if declared:
+        attach_graph_wrapper(stage)
+    tracker = InStepTracker(stage, ["decoder"] if declared else [])
+    probe = InvocationProbe(stage)
+    moments: list[dict[str, Any]] = []
+
+    def at_working_copy(module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> None:
+        if len(probe.events) == len(moments):
+            return  # not a working copy: the prefix pass that builds a request's cache
+        event = probe.events[-1]
+        seen: set = set()
+        retained = sum(
+            layer.bytes for state in stage._decoder_state_cache.values() if state.get("past_key_values") is not None
+            for layer in cache_breakdown(state["past_key_values"], seen=seen))
+        moments.append({
+            "phase": event.phase,
+            "rows": event.rows,
+            "working_copy_bytes": event.working_copy_bytes,
+            "invocation_bytes": event.working_copy_bytes + event.other_invocation_bytes,
+            "retained_bytes": retained,
+            "tracked": tracker.held_now(),
+        })
+
+    handle = stage.decoder.pre_transformer.register_forward_hook(at_working_copy, with_kwargs=True)
+    try:
+        with cache_updates.tracking(tracker):
+            drive(stage, requests)
+    finally:
+        handle.remove()
+        probe.remove()
+    return {"moments": moments, "peaks": tracker.end().model_dump(), "stage": stage}
 
 
 def _main() -> int:
