@@ -15,7 +15,9 @@
 # 3. cap vs reserve (benchmarks/bench_reserve.py, one round): policy reserve
 #    on a pool vLLM sized on the GPU.
 # 4. live sampling's cost (benchmarks/bench_live.py, one round): 256 running
-#    requests each keeping cache rows on the GPU, sampling on and off.
+#    requests whose talker rows are built each step on the GPU; sampling with
+#    the sampled steps watched inside (in-step peaks of CUDA caches), sampling
+#    between steps only, and no sampling; and the cost of one watched step.
 # 5. stages sharing a device (benchmarks/gpu_deploy_check.py): two stage
 #    processes start one after the other on device 0, each holding its
 #    share of real CUDA memory; their deployment split (NVML capacity and
@@ -92,7 +94,7 @@ fi
 step4=SKIPPED
 if [ "$step2" != SKIPPED ]; then
     echo "[gpu-check] step 4: live sampling on and off at 256 running sequences"
-    if timeout 300 $PY benchmarks/bench_live.py --rounds 1 --work "$OUT_DIR/live" \
+    if timeout 420 $PY benchmarks/bench_live.py --rounds 1 --work "$OUT_DIR/live" \
             --json "$OUT_DIR/live.json" 2>&1 | tee "$OUT_DIR/step4.log"; then
         step4=PASS
     else

@@ -235,3 +235,37 @@ def test_a_short_reservation_lowers_the_live_limit_to_what_fits_the_reserved_byt
     update = monitor.observe(_sample(peaks), running=4, finished_unfreed=0, completed=0, now=0.0)
     assert update.lowered_limit == 16  # 32 half rows reserved hold 16 whole ones
     assert "max_num_seqs 32 -> 16 (rank 0: floor((reserved " in update.findings[-1].message
+
+
+# --- what it refuses ---
+
+class OddTalker(StepTalker):
+    """Puts a tensor the audit cannot classify on a layer between two updates."""
+
+    def forward(self, rows: int) -> None:
+        work = DynamicCache()
+        _forward(self.lm, work, rows)
+        work.layers[0].odd = torch.zeros(3)
+        _forward(self.lm, work, rows)
+
+
+def test_a_cache_it_cannot_count_ends_the_window_with_the_reason_not_a_partial_figure():
+    _, peaks = _watch(Model(OddTalker()), ["talker"], ((2,), {}))
+    assert peaks.error is not None and "'odd'" in peaks.error
+
+
+def test_a_cache_class_that_overrides_update_is_named_and_nothing_is_wrapped_for_it():
+    import gc
+
+    class Rewritten(DynamicCache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    try:
+        problem = cache_updates.check_cache_update()
+        assert problem is not None and "Rewritten override Cache.update" in problem
+        assert cache_updates.install() == problem
+    finally:
+        del Rewritten
+        gc.collect()
+    assert cache_updates.check_cache_update() is None

@@ -121,7 +121,8 @@ def test_flags_appear_once_on_vllms_parser_with_choices():
                              "--model-local-kv-headroom",
                              "--model-local-kv-ledger-dir", "--model-local-kv-margin",
                              "--model-local-kv-override", "--model-local-kv-policy", "--model-local-kv-report",
-                             "--model-local-kv-sample-interval", "--model-local-kv-share"]
+                             "--model-local-kv-sample-interval", "--model-local-kv-share",
+                             "--model-local-kv-step-peaks"]
     policy = next(a for a in parser._actions if "--model-local-kv-policy" in a.option_strings)
     assert list(policy.choices) == ["cap", "warn", "off", "reserve"]
 

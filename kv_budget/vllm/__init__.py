@@ -22,8 +22,11 @@ What it does, in order:
    runs with the capped ``max_num_seqs``.
 6. ``pool_hook.patch_executor``: under ``reserve``, model-local KV comes
    off the executor's memory figure before the paged pool is sized.
-7. ``live_hook.patch_engine_steps``: live sampling after engine steps
-   (under ``cap`` and ``warn``), the live correction under ``cap``.
+7. ``live_hook.patch_engine_steps``: live sampling around engine steps
+   (under ``cap``, ``warn`` and ``reserve``), the live correction under
+   ``cap`` and ``reserve``; in the workers, on the first sampled step,
+   ``cache_updates.install`` wraps ``transformers``' ``Cache.update`` so
+   the sampled step is watched inside.
 8. ``frontend.patch_ready_response``: the API-server process takes the
    engine's capped ``max_num_seqs`` from its startup ready response.
 9. ``frontend.patch_async_llm``: the ``kv_budget:`` figures on ``/metrics``,

@@ -155,8 +155,9 @@ class LiveHook:
         self.was_idle = True
         self.stopped: str | None = None
         self.watching: float | None = None
-        """perf_counter when the coming step's window was opened, and what opening cost; None: no window."""
+        """perf_counter when the workers' in-step windows were opened for the coming step; None: none open."""
         self.watch_seconds = 0.0
+        """What opening them cost, added to the sample's cost."""
         self.write_status()
 
     def before_step(self, core: Any) -> None:
