@@ -12,9 +12,12 @@ run wrong in one way:
   each produces its warning, nothing changes.
 
 Expected figures are worked out by hand from the talker geometry. Each
-server is started once per module; every test reads its run. The
-under-declared run is a ``hook_points`` run (the live hooks and, on vLLM
-0.30, its step-wise correction): `make test` starts it on vLLM 0.30 too.
+server is started once per module; every test reads its run. kv-budget's
+own logic: `make test` runs these on the default vLLM only. The live
+hooks, the in-step window and vLLM 0.30's step-wise correction are the
+``hook_points`` reserve run's (tests/test_engine_reserve.py), which `make
+test` starts on vLLM 0.30 too; the live figures on an API server's
+/metrics on 0.30 are tests/test_engine_serving.py's.
 """
 
 from __future__ import annotations
@@ -104,12 +107,10 @@ def under_run(tmp_path_factory) -> LiveRun:
     return _serve(UNDER, tmp_path_factory.mktemp("under"), "cap", 256, scrape=True, abort_half=True)
 
 
-@pytest.mark.hook_points
 def test_under_declared_cap_answers_all_256_requests(under_run):
     assert (under_run.load.completed, under_run.load.failed) == (256, 0), under_run.load.errors
 
 
-@pytest.mark.hook_points
 def test_under_declaration_is_logged_once_with_its_figures(under_run):
     lines = [line for line in under_run.log.splitlines() if "under-declared by" in line]
     assert len(lines) == 1, lines
@@ -118,7 +119,6 @@ def test_under_declaration_is_logged_once_with_its_figures(under_run):
     assert "all its declarations (talker_step_kv, postnet_step_kv) allow" in lines[0]
 
 
-@pytest.mark.hook_points
 def test_the_live_limit_is_lowered_to_what_the_measurement_allows(under_run):
     assert re.search(
         rf"max_num_seqs {STARTUP_CAP} -> {LIVE_CAP} \(rank 0: floor\(\(headroom {HEADROOM:,} B - uncharged fixed "
@@ -129,7 +129,6 @@ def test_the_live_limit_is_lowered_to_what_the_measurement_allows(under_run):
     assert (live["startup_max_num_seqs"], live["limit"], live["corrections"]) == (STARTUP_CAP, LIVE_CAP, 1)
 
 
-@pytest.mark.hook_points
 def test_what_the_model_holds_within_the_live_limit_stays_in_the_headroom(under_run):
     live = under_run.status["live"]
     assert live["step_peaks"] and live["watched_steps"] > 0
@@ -144,7 +143,6 @@ def test_what_the_model_holds_within_the_live_limit_stays_in_the_headroom(under_
     assert STARTUP_CAP * TRUE_PER_SEQ > HEADROOM
 
 
-@pytest.mark.hook_points
 def test_clients_closing_half_the_streams_lose_no_other_request(under_run):
     streaming = under_run.streaming
     assert (streaming.completed, streaming.aborted, streaming.failed) == (128, 128, 0), streaming.errors
@@ -155,7 +153,6 @@ def test_clients_closing_half_the_streams_lose_no_other_request(under_run):
     assert (under_run.after_streaming.completed, under_run.after_streaming.failed) == (8, 0)
 
 
-@pytest.mark.hook_points
 def test_after_the_load_the_model_holds_nothing_and_no_leak_is_reported(under_run):
     """After a load, and after half of a streaming load was aborted by its
     clients: aborted requests' rows are freed like finished ones."""
@@ -164,7 +161,6 @@ def test_after_the_load_the_model_holds_nothing_and_no_leak_is_reported(under_ru
     assert not [line for line in under_run.log.splitlines() if "kv-budget: live:" in line and line.endswith(": leak")]
 
 
-@pytest.mark.hook_points
 def test_metrics_carry_plan_and_live_figures_during_the_load(under_run):
     assert under_run.scrapes, "no /metrics body was read during the load"
     last = under_run.scrapes[-1]

@@ -17,6 +17,7 @@ one on every version.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -96,6 +97,9 @@ def test_a_short_reservation_lowers_the_live_limit_to_what_fits_the_reserved_byt
     assert (f"max_num_seqs 256 -> {LIVE_LIMIT} (rank 0: floor((reserved {SHORT_RESERVED:,} B - uncharged fixed 0 B) "
             f"/ live per-sequence {PER_SEQ:,} B (declared {SHORT_PER_SEQ:,} B)) = {LIVE_LIMIT})") in run.output
     assert (live["policy"], live["limit"], live["corrections"]) == ("reserve", LIVE_LIMIT, 1)
+    # The running Scheduler's admission limit (0.30: max_num_running_reqs, lowered step by step).
+    assert re.search(rf"kv-budget: live: Scheduler\.max_num_(running|active)_reqs \d+ \(live limit {LIVE_LIMIT}\)",
+                     run.output), run.output[-3000:]
     rank = live["ranks"][0]
     # Once the limit is in force, what the model holds at once inside a step fits the reservation.
     assert 0 < rank["peak_bytes_within_limit"] <= SHORT_RESERVED

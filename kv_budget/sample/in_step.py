@@ -93,7 +93,7 @@ class InStepPeaks(BaseModel):
     updates: int
     """``Cache.update`` calls counted."""
     seconds: float
-    """Time spent in :meth:`InStepTracker.cache_updated`: what tracking added to the step."""
+    """CPU time spent in :meth:`InStepTracker.cache_updated`: what tracking added to the step."""
     error: str | None = None
     """Why tracking stopped (a cache it cannot count); the figures are then not used."""
 
@@ -139,6 +139,8 @@ class InStepTracker:
         self._peak: dict[str, int] = {}
         self._total = 0
         self._peak_total = 0
+        self._attributes: dict[int, list[Cache]] = {}
+        """Per module met on the stack in this window: the caches its attributes reach, searched once."""
         self._met = 0
         self._updates = 0
         self._seconds = 0.0
@@ -181,13 +183,13 @@ class InStepTracker:
         layer (every layer at the cache's first update) and move the peaks."""
         if not self._tracking or self._error is not None:
             return
-        began = time.perf_counter()
+        began = time.thread_time()
         try:
             self._count(cache, layer_idx)
         except UnsupportedCacheError as exc:
             self._error = str(exc)
         self._updates += 1
-        self._seconds += time.perf_counter() - began
+        self._seconds += time.thread_time() - began
 
     def _count(self, cache: Cache, layer_idx: int) -> None:
         key = id(cache)
@@ -224,7 +226,7 @@ class InStepTracker:
             path = self._paths.get(id(module))
             if path is not None:
                 stack.append(path)
-                for reached in _reachable(local, module):
+                for reached in self._reachable(local, module):
                     found[id(reached)] = reached
                     paths = holders.setdefault(id(reached), [])
                     if path not in paths:
@@ -242,6 +244,24 @@ class InStepTracker:
             tracked = self._caches[key] = _Tracked(owner)
             self._met += 1
             self._recount(tracked, cache, range(len(getattr(cache, "layers", ()) or ())))
+
+    def _reachable(self, local: dict[str, Any], module: Any) -> list[Cache]:
+        """The caches a module frame reaches: its locals (``self`` aside) and
+        the module's own attributes (searched once per window: a cache put
+        in an attribute later in the window is met through the frame that
+        holds it in a local, or its own update); an ``EncoderDecoderCache``
+        stands for its two halves, which are what ``Cache.update`` is called
+        on."""
+        found = [cache for name, value in local.items() if name != "self" for _, cache in caches_in(name, value)]
+        attributes = self._attributes.get(id(module))
+        if attributes is None:
+            attributes = self._attributes[id(module)] = [cache for _, _, cache in held_caches(module)]
+        found.extend(attributes)
+        halves = []
+        for cache in found:
+            if isinstance(cache, EncoderDecoderCache):
+                halves.extend((cache.self_attention_cache, cache.cross_attention_cache))
+        return [cache for cache in found if not isinstance(cache, EncoderDecoderCache)] + halves
 
     def _owner(self, holders: list[str], stack: list[str]) -> str | None:
         """The rule of the module docstring. ``holders`` and ``stack`` are
@@ -301,16 +321,3 @@ class InStepTracker:
         for storages in tracked.layers.values():
             for storage in storages:
                 self._release(storage)
-
-
-def _reachable(local: dict[str, Any], module: Any) -> list[Cache]:
-    """The caches a module frame reaches: its locals (``self`` aside) and
-    the module's own attributes; an ``EncoderDecoderCache`` stands for its
-    two halves, which are what ``Cache.update`` is called on."""
-    found = [cache for name, value in local.items() if name != "self" for _, cache in caches_in(name, value)]
-    found.extend(cache for _, _, cache in held_caches(module))
-    halves = []
-    for cache in found:
-        if isinstance(cache, EncoderDecoderCache):
-            halves.extend((cache.self_attention_cache, cache.cross_attention_cache))
-    return [cache for cache in found if not isinstance(cache, EncoderDecoderCache)] + halves

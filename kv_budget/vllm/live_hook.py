@@ -73,7 +73,7 @@ def watch_step_on_worker(worker: Any, owners_by_rank: dict[int, list[str]]) -> d
     """Runs in every worker (``collective_rpc``) before a sampled step:
     open the in-step window (:mod:`kv_budget.vllm.cache_updates`) that the
     next :func:`measure_on_worker` closes. ``error`` says why it cannot."""
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.thread_time()
     result: dict[str, Any] = {"rank": worker.rank, "error": None}
     try:
         result["error"] = cache_updates.install()
@@ -83,6 +83,7 @@ def watch_step_on_worker(worker: Any, owners_by_rank: dict[int, list[str]]) -> d
     except Exception as exc:  # noqa: BLE001 - a sample must never take the engine down
         result["error"] = f"{type(exc).__name__}: {exc}"
     result["seconds"] = time.perf_counter() - start
+    result["cpu_seconds"] = time.thread_time() - cpu
     return result
 
 
@@ -93,7 +94,7 @@ def measure_on_worker(worker: Any, owners_by_rank: dict[int, list[str]]) -> dict
     JSON data back; a cache the audit cannot count is reported in ``error``
     (sampling stops on that rank rather than publish a partial figure), a
     window that could not count one in ``step_error``."""
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.thread_time()
     owners = owners_by_rank.get(worker.rank, [])
     model = worker.model_runner.model
     result: dict[str, Any] = {"rank": worker.rank, "owners": [], "step": None, "step_error": None, "error": None}
@@ -111,7 +112,9 @@ def measure_on_worker(worker: Any, owners_by_rank: dict[int, list[str]]) -> dict
         result["error"] = str(exc)
     except Exception as exc:  # noqa: BLE001 - a sample must never take the engine down
         result["error"] = f"{type(exc).__name__}: {exc}"
-    result["seconds"] = time.perf_counter() - start + (window.seconds if window is not None else 0.0)
+    tracking = window.seconds if window is not None else 0.0
+    result["seconds"] = time.perf_counter() - start + tracking
+    result["cpu_seconds"] = time.thread_time() - cpu + tracking
     return result
 
 
@@ -157,7 +160,7 @@ class LiveHook:
         self.watching: float | None = None
         """perf_counter when the workers' in-step windows were opened for the coming step; None: none open."""
         self.watch_seconds = 0.0
-        """What opening them cost, added to the sample's cost."""
+        """The CPU time opening them took (the engine core's and the slowest worker's), added to the sample's cost."""
         self.write_status()
 
     def before_step(self, core: Any) -> None:
@@ -168,7 +171,7 @@ class LiveHook:
         scheduler = core.scheduler
         if scheduler.get_num_unfinished_requests() == 0 or not self.monitor.due(time.monotonic()):
             return
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         try:
             results = core.collective_rpc(watch_step_on_worker, args=(self.owners_by_rank,))
         except Exception as exc:  # noqa: BLE001 - a sample must never take the engine down
@@ -179,7 +182,7 @@ class LiveHook:
             core.collective_rpc(measure_on_worker, args=(self.owners_by_rank,))  # closes any window that opened
             return
         self.watching = start
-        self.watch_seconds = time.perf_counter() - start
+        self.watch_seconds = time.thread_time() - cpu + max(r["cpu_seconds"] for r in results)
 
     def _stop_step_peaks(self, why: str) -> None:
         self.monitor.step_peaks = False
@@ -200,13 +203,15 @@ class LiveHook:
         self.was_idle = idle
         now = time.monotonic()
         watched = self.watching is not None
-        if self.stopped is None and (watched or became_idle or (not idle and self.monitor.due(now))):
+        # With step peaks on, a due sample waits for the next step, whose window before_step opens.
+        due = not idle and not self.monitor.step_peaks and self.monitor.due(now)
+        if self.stopped is None and (watched or became_idle or due):
             self.sample(core, now)
 
     def sample(self, core: Any, now: float) -> None:
         """One sample of every worker. A failure stops sampling with one
         warning; it never fails the step (the startup cap stays in force)."""
-        start = time.perf_counter()
+        cpu = time.thread_time()
         opening, self.watching, self.watch_seconds = self.watch_seconds, None, 0.0
         try:
             results = core.collective_rpc(measure_on_worker, args=(self.owners_by_rank,))
@@ -244,9 +249,10 @@ class LiveHook:
                 "kv-budget: live: Scheduler.%s %d (live limit %d)",
                 checked_vllm().features.admission_limit, self.limit_applied, update.lowered_limit,
             )
-        # What the sample cost the engine: opening the windows, tracking inside the step, this RPC.
-        tracking = max((r["step"]["seconds"] for r in results if watched), default=0.0)
-        self.monitor.note_cost(time.perf_counter() - start + opening + tracking)
+        # What the sample cost, in CPU time (a busy machine's waits are not its cost): opening the
+        # windows, the slowest worker's measuring (tracking inside the step included), the engine core's part.
+        workers = max((r.get("cpu_seconds", 0.0) for r in results), default=0.0)
+        self.monitor.note_cost(time.thread_time() - cpu + opening + workers)
         self.write_status()
 
     def write_status(self) -> None:

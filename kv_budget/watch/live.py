@@ -262,7 +262,8 @@ class LiveState(BaseModel):
     corrections under ``cap``; never raised."""
     corrections: int
     last_sample_seconds: float
-    """Wall time of the last sample in the engine core: RPC, comparison, status file."""
+    """CPU time the last sample took: the engine core's (RPC, comparison,
+    status file) plus the slowest worker's (measuring, in-step tracking)."""
     sample_seconds_total: float
     steps: int = 0
     """Engine steps since live sampling began."""
@@ -356,8 +357,10 @@ class LiveMonitor:
         return now - self._last_sample_at >= wait
 
     def note_cost(self, seconds: float) -> None:
-        """What the last sample cost the engine, all told (RPC, comparison,
-        status file): it spaces the next one (:data:`MAX_SAMPLING_FRACTION`)."""
+        """What the last sample cost, all told, in CPU time (the engine
+        core's and the slowest worker's: wall time on a busy machine would
+        count other processes' turns): it spaces the next one
+        (:data:`MAX_SAMPLING_FRACTION`)."""
         self.last_sample_seconds = seconds
         self.sample_seconds_total += seconds
 

@@ -212,7 +212,8 @@ METRICS: tuple[MetricSpec, ...] = (
     _spec("live_corrections",
           f"Times the live monitor lowered the live max_num_seqs (policy cap), {_LIVE}.", ENGINE_LABELS),
     _spec("live_last_sample_seconds",
-          f"Wall time of the last sample in the engine core, RPC to every worker included, {_LIVE}.",
+          f"CPU time the last sample took, the engine core's plus the slowest worker's (in-step tracking "
+          f"included), {_LIVE}.",
           ENGINE_LABELS),
     # --- a vLLM-Omni stage's part of its devices
     _spec("deployment_split_final",
