@@ -179,7 +179,10 @@ class LiveHook:
         errors = [f"rank {r['rank']}: {r['error']}" for r in results if r["error"]]
         if errors:
             self._stop_step_peaks("; ".join(errors))
-            core.collective_rpc(measure_on_worker, args=(self.owners_by_rank,))  # closes any window that opened
+            try:  # close any window that did open, on the ranks where it did
+                core.collective_rpc(measure_on_worker, args=(self.owners_by_rank,))
+            except Exception:  # noqa: BLE001 - the warning above says in-step measurement is off
+                pass
             return
         self.watching = start
         self.watch_seconds = time.thread_time() - cpu + max(r["cpu_seconds"] for r in results)
@@ -253,6 +256,8 @@ class LiveHook:
         # windows, the slowest worker's measuring (tracking inside the step included), the engine core's part.
         workers = max((r.get("cpu_seconds", 0.0) for r in results), default=0.0)
         self.monitor.note_cost(time.thread_time() - cpu + opening + workers)
+        if watched:
+            self.monitor.tracking_seconds_total += max(r["step"]["seconds"] for r in results)
         self.write_status()
 
     def write_status(self) -> None:

@@ -275,8 +275,10 @@ class LiveState(BaseModel):
     watched_steps: int = 0
     """Steps watched inside (in-step windows open)."""
     watched_step_seconds_total: float = 0.0
-    """Wall time of those steps, the workers' in-step tracking included:
-    against the other steps' mean, what watching adds to a sampled step."""
+    """Wall time of those steps, the workers' in-step tracking included."""
+    tracking_seconds_total: float = 0.0
+    """CPU time the slowest worker spent counting caches inside the watched
+    steps: what watching added to them, beside ``hook_seconds_total``."""
     ranks: list[RankLive]
     findings: list[Finding]
 
@@ -343,6 +345,7 @@ class LiveMonitor:
         self.hook_seconds_total = 0.0
         self.watched_steps = 0
         self.watched_step_seconds_total = 0.0
+        self.tracking_seconds_total = 0.0
         """Filled in by the engine hook, which times the steps and itself."""
         self._last_sample_at: float | None = None
         self._excess_grew = False
@@ -569,6 +572,7 @@ class LiveMonitor:
             last_sample_seconds=self.last_sample_seconds, sample_seconds_total=self.sample_seconds_total,
             steps=self.steps, step_seconds_total=self.step_seconds_total, hook_seconds_total=self.hook_seconds_total,
             watched_steps=self.watched_steps, watched_step_seconds_total=self.watched_step_seconds_total,
+            tracking_seconds_total=self.tracking_seconds_total,
             ranks=ranks, findings=self.findings,
         )
 
