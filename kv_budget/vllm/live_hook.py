@@ -157,8 +157,8 @@ class LiveHook:
         self.limit_applied: int | None = None
         self.was_idle = True
         self.stopped: str | None = None
-        self.watching: float | None = None
-        """perf_counter when the workers' in-step windows were opened for the coming step; None: none open."""
+        self.watching = False
+        """Whether the workers' in-step windows are open for the coming step."""
         self.watch_seconds = 0.0
         """The CPU time opening them took (the engine core's and the slowest worker's), added to the sample's cost."""
         self.write_status()
@@ -166,12 +166,12 @@ class LiveHook:
     def before_step(self, core: Any) -> None:
         """Open the workers' in-step windows when a sample is due and
         requests are in the engine: the sample after the step closes them."""
-        if self.stopped is not None or not self.monitor.step_peaks or self.watching is not None:
+        if self.stopped is not None or not self.monitor.step_peaks or self.watching:
             return
         scheduler = core.scheduler
         if scheduler.get_num_unfinished_requests() == 0 or not self.monitor.due(time.monotonic()):
             return
-        start, cpu = time.perf_counter(), time.thread_time()
+        cpu = time.thread_time()
         try:
             results = core.collective_rpc(watch_step_on_worker, args=(self.owners_by_rank,))
         except Exception as exc:  # noqa: BLE001 - a sample must never take the engine down
@@ -184,7 +184,7 @@ class LiveHook:
             except Exception:  # noqa: BLE001 - the warning above says in-step measurement is off
                 pass
             return
-        self.watching = start
+        self.watching = True
         self.watch_seconds = time.thread_time() - cpu + max(r["cpu_seconds"] for r in results)
 
     def _stop_step_peaks(self, why: str) -> None:
@@ -205,7 +205,7 @@ class LiveHook:
         became_idle = idle and not self.was_idle
         self.was_idle = idle
         now = time.monotonic()
-        watched = self.watching is not None
+        watched = self.watching
         # With step peaks on, a due sample waits for the next step, whose window before_step opens.
         due = not idle and not self.monitor.step_peaks and self.monitor.due(now)
         if self.stopped is None and (watched or became_idle or due):
@@ -215,7 +215,7 @@ class LiveHook:
         """One sample of every worker. A failure stops sampling with one
         warning; it never fails the step (the startup cap stays in force)."""
         cpu = time.thread_time()
-        opening, self.watching, self.watch_seconds = self.watch_seconds, None, 0.0
+        opening, self.watching, self.watch_seconds = self.watch_seconds, False, 0.0
         try:
             results = core.collective_rpc(measure_on_worker, args=(self.owners_by_rank,))
         except Exception as exc:  # noqa: BLE001 - see the docstring
@@ -366,7 +366,7 @@ def _wrap_step(original):
             return original(self)
         before = time.perf_counter()
         hook.before_step(self)
-        watched = hook.watching is not None
+        watched = hook.watching
         began = time.perf_counter()
         result = original(self)
         stepped = time.perf_counter()

@@ -303,6 +303,14 @@ class _OwnerTrack:
         self.reported: set[str] = set()
         self.leaked = 0
 
+    def report_once(self, kind: str, rank: int, size: int, message: str) -> list[Finding]:
+        """The finding the first time ``kind`` is met on this owner, then
+        nothing: each finding is logged once."""
+        if kind in self.reported:
+            return []
+        self.reported.add(kind)
+        return [Finding(kind=kind, rank=rank, owner=self.expectation.owner, bytes=size, message=message)]
+
 
 class LiveMonitor:
     """Compares samples with the plan, keeps current and peak figures, and
@@ -434,12 +442,10 @@ class LiveMonitor:
             if excess > track.excess_per_seq:
                 track.excess_per_seq = excess
                 self._excess_grew = True
-                if "undeclared" not in track.reported:
-                    track.reported.add("undeclared")
-                    found.append(Finding(kind="undeclared", rank=rank, owner=holder, bytes=excess, message=(
-                        f"rank {rank} module {holder or '<root>'!r} held {track.step_bytes:,} B of transformers "
-                        f"caches at once inside the step with {self.held} sequence(s) held, and declares none: "
-                        f"undeclared, {excess:,} B per sequence counted as excess")))
+                found += track.report_once("undeclared", rank, excess, (
+                    f"rank {rank} module {holder or '<root>'!r} held {track.step_bytes:,} B of transformers "
+                    f"caches at once inside the step with {self.held} sequence(s) held, and declares none: "
+                    f"undeclared, {excess:,} B per sequence counted as excess"))
         return found
 
     def _judge(self, rank: int, track: _OwnerTrack, watched: bool) -> list[Finding]:
@@ -454,11 +460,6 @@ class LiveMonitor:
         found: list[Finding] = []
         owner = f"rank {rank} owner {expectation.owner or '<root>'!r}"
         labels = ", ".join(expectation.declarations)
-
-        def once(kind: str, size: int, message: str) -> None:
-            if kind not in track.reported:
-                track.reported.add(kind)
-                found.append(Finding(kind=kind, rank=rank, owner=expectation.owner, bytes=size, message=message))
 
         between = math.ceil((track.bytes - track.allowed) / self.held) if self.held else 0
         inside = 0
@@ -477,14 +478,14 @@ class LiveMonitor:
                 fixed, per_seq = expectation.retained_fixed_bytes, expectation.retained_per_seq_bytes
                 measured = (f"holds {track.bytes:,} B with {self.held} sequence(s) held, where its declarations "
                             f"({labels}) allow {track.allowed:,} B")
-            once("under-declared", excess, (
+            found += track.report_once("under-declared", rank, excess, (
                 f"{owner} {measured} ({fixed:,} B fixed + {per_seq:,} B per sequence): under-declared by "
                 f"{excess:,} B per sequence"))
         per_seq_declared = expectation.retained_per_seq_bytes + (
             expectation.invocation_per_seq_bytes if self.step_peaks else 0)
         if (per_seq_declared and not track.ever_held
                 and self.completed >= DEAD_AFTER_COMPLETED and self.samples_while_running):
-            once("declared-but-absent", 0, (
+            found += track.report_once("declared-but-absent", rank, 0, (
                 f"{owner} declares {labels} ({per_seq_declared:,} B per sequence) but held no cache in "
                 f"{self.samples_while_running} sample(s) taken while sequences ran, after {self.completed} completed "
                 "requests: declared but absent"))
@@ -492,7 +493,7 @@ class LiveMonitor:
             leaked = track.bytes - expectation.retained_fixed_bytes
             track.leaked = max(leaked, 0)
             if leaked > 0 and not expectation.session_per_seq_bytes:
-                once("leak", leaked, (
+                found += track.report_once("leak", rank, leaked, (
                     f"{owner} still holds {track.bytes:,} B with no request in the engine, {leaked:,} B beyond "
                     f"its fixed rows ({expectation.retained_fixed_bytes:,} B): leak"))
         return found
