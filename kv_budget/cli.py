@@ -110,7 +110,9 @@ def _build_parser() -> argparse.ArgumentParser:
     room = plan.add_mutually_exclusive_group()
     room.add_argument(
         "--headroom-bytes", type=byte_size_argument,
-        help="explicit headroom (14GiB, 512MiB or bytes), used as given: no margin is taken off",
+        help="explicit headroom (14GiB, 512MiB or bytes), used as given: no margin is taken off "
+        "(with --deploy: the room outside every pool on each device the file uses, as "
+        "--model-local-kv-headroom gives a deployment)",
     )
     room.add_argument(
         "--device-memory", type=byte_size_argument,
@@ -182,8 +184,6 @@ _DEPLOY_ONLY = (
 )
 
 _NOT_WITH_DEPLOY = (
-    ("--headroom-bytes", "headroom_bytes",
-     "what is left comes from the file's ledger; give --device-memory SIZE or --device-memory-of DEVICE=SIZE"),
     ("--margin-bytes", "margin_bytes", "the ledger uses vLLM-Omni's own 1 GiB margin and 1 GiB external reserve"),
     ("--gpu-memory-utilization", "gpu_memory_utilization", "each stage's comes from the deploy file"),
     ("--max-num-seqs", "max_num_seqs", "each stage's comes from the deploy file"),
@@ -346,20 +346,24 @@ def _run_deploy_plan(args: argparse.Namespace) -> int:
     unused = sorted(set(sizes) - set(used))
     if unused:
         raise _BadInput(f"{deploy.where()}: --device-memory-of names device(s) {unused}; the stages use {used}")
-    capacities, sources = {}, {}
+    capacities, sources, headrooms = {}, {}, {}
     for device in used:
+        if args.headroom_bytes is not None:
+            # As a deployment started with --model-local-kv-headroom: the
+            # operator's room outside the pools stands for the admission terms.
+            headrooms[device] = (args.headroom_bytes, "--headroom-bytes (the operator's room outside the pools)")
         if device in sizes:
             capacities[device], sources[device] = sizes[device], f"--device-memory-of {device}"
         elif args.device_memory is not None:
             capacities[device], sources[device] = args.device_memory, "--device-memory"
-        else:
+        elif args.headroom_bytes is None:
             users = [s.stage_id for s in deploy.stages if device in s.devices]
             raise _BadInput(
                 f"{deploy.where()}: device {device} (stages {users}) has no size: give --device-memory SIZE "
                 f"or --device-memory-of {device}=SIZE"
             )
     try:
-        plan = plan_deploy(deploy, capacities, declarations, args.policy, sources)
+        plan = plan_deploy(deploy, capacities, declarations, args.policy, sources, headrooms)
     except DeployError as exc:
         raise _BadInput(str(exc)) from None
     print(plan.model_dump_json(indent=2) if args.json else render_deploy_table(plan))

@@ -275,6 +275,12 @@ def render_deploy_table(plan: DeployPlan) -> str:
 
 
 def _device_lines(device: DeviceAccount, stages: dict[int, StagePlan]) -> list[str]:
+    if device.headroom_bytes is not None:
+        lines = [
+            f"  device {device.device}: headroom {format_bytes(device.headroom_bytes)} [{device.headroom_source}]",
+            "    vLLM-Omni admission terms: not counted (the headroom is the room outside every stage's pool)",
+        ]
+        return lines + _model_local_lines(device, stages, "headroom", "")
     capacity = device.capacity_bytes
     graph_stages = [e for e in device.stages if e.graph_reserve_bytes]
     lines = [
@@ -304,7 +310,15 @@ def _device_lines(device: DeviceAccount, stages: dict[int, StagePlan]) -> list[s
                 f"      stage {e.stage_id}{_replica(e)} kv_cache_memory_bytes {e.kv_cache_memory_bytes:,} B exceeds "
                 f"its requested share by {format_bytes(e.kv_cache_excess_bytes)} (charged on top)"
             )
-    lines.append("    model-local KV:")
+    excess = " - kv_cache excess" if device.kv_cache_excess_bytes else ""
+    return lines + _model_local_lines(device, stages, "capacity - required", excess)
+
+
+def _model_local_lines(device: DeviceAccount, stages: dict[int, StagePlan], room: str, excess: str) -> list[str]:
+    """The model-local KV part of a device's account; ``room`` names what
+    the per-sequence KV is left from (a capacity's admission terms, or an
+    operator's headroom)."""
+    lines = ["    model-local KV:"]
     declaring = [e for e in device.stages if stages[e.stage_id].declarations_source is not None]
     if not declaring:
         lines.append("      none declared for the stages on this device (--stage-declarations)")
@@ -316,7 +330,6 @@ def _device_lines(device: DeviceAccount, stages: dict[int, StagePlan]) -> list[s
             f"{format_bytes(e.charged_bytes)} (inside its requested share or graph reserve; not subtracted); "
             f"uncharged fixed {format_bytes(e.uncharged_fixed_bytes)}; {demand}"
         )
-    excess = " - kv_cache excess" if device.kv_cache_excess_bytes else ""
     if device.left_for_per_seq_bytes < 0:
         verdict = "the uncharged fixed part alone does NOT fit"
     elif device.per_seq_demand_bytes <= device.left_for_per_seq_bytes:
@@ -324,7 +337,7 @@ def _device_lines(device: DeviceAccount, stages: dict[int, StagePlan]) -> list[s
     else:
         verdict = "does NOT fit: split in proportion to each stage's demand"
     lines += [
-        f"    left for per-sequence KV = capacity - required{excess} - uncharged fixed "
+        f"    left for per-sequence KV = {room}{excess} - uncharged fixed "
         f"{format_bytes(device.uncharged_fixed_bytes)}: {format_bytes(device.left_for_per_seq_bytes)}",
         f"    per-sequence demand at configured max_num_seqs: {format_bytes(device.per_seq_demand_bytes)} ({verdict})",
     ]
@@ -336,7 +349,7 @@ def _device_lines(device: DeviceAccount, stages: dict[int, StagePlan]) -> list[s
             )
     lines += [
         f"    model-local KV at effective max_num_seqs (uncharged): {format_bytes(device.model_local_bytes)}",
-        f"    free = capacity - required{excess} - model-local KV: {format_bytes(device.free_bytes)}",
+        f"    free = {room}{excess} - model-local KV: {format_bytes(device.free_bytes)}",
         f"    -> device {device.device} {'fits' if device.fits else 'does NOT fit'}",
     ]
     return lines

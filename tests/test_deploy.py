@@ -392,7 +392,7 @@ def test_bad_input_in_a_base_file_names_both_files(tmp_path):
 @pytest.mark.network
 @pytest.mark.parametrize("args, expected", [
     (["--preset", "mimo-audio"], "not allowed with argument"),
-    (["--headroom-bytes", "1GiB"], "--headroom-bytes does not apply to --deploy"),
+    (["--margin-bytes", "1GiB"], "--margin-bytes does not apply to --deploy"),
     (["--max-num-seqs", "8"], "--max-num-seqs does not apply to --deploy"),
     (["--override", "a/b:rows_fixed=2"], "--override does not apply to --deploy"),
     (["--stage-declarations", "7=mimo-audio"],
@@ -401,8 +401,7 @@ def test_bad_input_in_a_base_file_names_both_files(tmp_path):
     (["--device-memory-of", "3=80GiB"], "--device-memory-of names device(s) [3]"),
 ])
 def test_deploy_option_errors_exit_2(deploy_dir, args, expected):
-    size = [] if "--headroom-bytes" in args else ["--device-memory", "80GiB"]  # argparse refuses both
-    result = run("plan", "--deploy", deploy_dir / "mimo_audio.yaml", *size, *args)
+    result = run("plan", "--deploy", deploy_dir / "mimo_audio.yaml", "--device-memory", "80GiB", *args)
     assert result.returncode == EXIT_BAD_INPUT
     assert expected in result.stderr and "Traceback" not in result.stderr
 
@@ -464,3 +463,24 @@ stages:
     assert stage0.kv_cache_memory_bytes is None
     assert stage1.enforce_eager is True and not stage1.captures_cuda_graphs
     assert stage1.gpu_memory_utilization == 0.92  # vLLM 0.30's default
+
+
+def test_an_operators_headroom_stands_for_every_device(tmp_path):
+    """``--headroom-bytes`` with ``--deploy`` plans as a deployment started
+    with ``--model-local-kv-headroom`` does: the stages on a device split the
+    operator's room, vLLM-Omni's admission terms are not counted again."""
+    path = write_yaml(tmp_path, "stages:\n  - {stage_id: 0, devices: '0', max_num_seqs: 64}\n"
+                                "  - {stage_id: 1, devices: '0', max_num_seqs: 256}\n")
+    per_seq = 2 * 2_326_528  # the preset's request cache and its working copy, one row each
+    result = run("plan", "--deploy", path, "--headroom-bytes", "64MiB", "--json",
+                 "--stage-declarations", "1=qwen3-tts-async-chunk")
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    (device,) = plan["devices"]
+    assert device["headroom_bytes"] == 64 * MiB and device["capacity_bytes"] is None
+    stages = {s["stage_id"]: s for s in plan["stages"]}
+    assert stages[1]["per_seq_bytes"] == per_seq
+    assert stages[1]["effective_max_num_seqs"] == 64 * MiB // per_seq
+    assert stages[0]["effective_max_num_seqs"] == 64
+    table = run("plan", "--deploy", path, "--headroom-bytes", "64MiB", "--stage-declarations", "1=qwen3-tts-async-chunk")
+    assert "device 0: headroom 67,108,864 B" in table.stdout and "Traceback" not in table.stderr
