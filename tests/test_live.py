@@ -16,6 +16,7 @@ from kv_budget.declare.hf_config import spec_from_hf_config
 from kv_budget.declare.spec import RowDriver, Scope
 from kv_budget.plan.planner import budget_worker, headroom_override, make_plan
 from kv_budget.sample.caches import HeldBytes
+from kv_budget.sample.in_step import InStepPeaks
 from kv_budget.settings import Policy
 from kv_budget.watch.live import (
     DEAD_AFTER_COMPLETED,
@@ -141,6 +142,47 @@ def test_under_declaration_under_cap_lowers_the_limit_to_what_the_measurement_al
     # The same excess again is not a new finding and never raises the limit.
     update = monitor.observe(sample(stage, scanner), running=limit, finished_unfreed=0, completed=0, now=2.0)
     assert update.findings == [] and update.lowered_limit is None and monitor.limit == limit
+
+
+class SilentTalker(RequestTalker):
+    """The same per-request caches, declared by nobody: vLLM-Omni's
+    Qwen3-TTS decoder off CUDA, whose stage model keeps every request's
+    cache while nothing declares it."""
+
+    def model_local_kv_specs(self):
+        return []
+
+
+def test_an_undeclared_holder_is_measured_after_the_step_once_a_window_met_it():
+    """A module a watched step showed holding caches it does not declare is
+    sampled after every later step too: its retained caches are its figure
+    between steps (not 0), counted as excess per sequence held, and the
+    live limit is the largest that fits the headroom by that figure."""
+    stage = Stage(SilentTalker())
+    headroom = 10 * ROW_BYTES
+    plan = plan_for(stage, headroom=headroom)
+    assert plan.effective_max_num_seqs == 256  # nothing declared: the startup plan cannot bound it
+    monitor = LiveMonitor(plan, step_peaks=True)
+    for i in range(4):
+        stage.talker.start(f"r{i}")
+    assert HeldBytes(stage, []).measure() == {}  # no declaring owner: nothing to sample by declarations
+    window = InStepPeaks(owners={}, undeclared={"talker": ROW_BYTES}, peak_bytes=ROW_BYTES, caches=1, updates=1,
+                         seconds=0.0)  # a step that updated one request's cache
+    scanner = HeldBytes(stage, [], monitor.undeclared_holders().get(0, []))
+    assert scanner.measure() == {}  # not met yet
+    untouched = {"talker": 3 * ROW_BYTES}  # the other three, kept all along
+    first = monitor.observe([WorkerSample(rank=0, owners=[], seconds=0.0, step=window.with_untouched(untouched))],
+                            running=4, finished_unfreed=0, completed=0, now=0.0)
+    assert [f.kind for f in first.findings] == ["undeclared", "limit-lowered"]
+    assert first.findings[0].bytes == ROW_BYTES and first.lowered_limit == 10
+    scanner = HeldBytes(stage, [], monitor.undeclared_holders()[0])
+    for i in range(4, 8):
+        stage.talker.start(f"r{i}")
+    assert scanner.measure() == {"talker": 8 * ROW_BYTES}
+    monitor.observe(sample(stage, scanner), running=8, finished_unfreed=0, completed=0, now=1.0)
+    (owner,) = monitor.state().ranks[0].owners
+    assert (owner.owner, owner.verdict, owner.bytes) == ("talker", "undeclared", 8 * ROW_BYTES)
+    assert monitor.state().ranks[0].bytes == 8 * ROW_BYTES and monitor.limit == headroom // ROW_BYTES
 
 
 def test_under_declaration_under_warn_is_reported_and_changes_nothing():

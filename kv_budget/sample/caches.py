@@ -433,19 +433,27 @@ def attribute_caches(
 
 class HeldBytes:
     """The bytes each declaring owner's caches hold now, for sampling while
-    a model serves (:mod:`kv_budget.watch.live`).
+    a model serves (:mod:`kv_budget.watch.live`), and those of the modules
+    that declare nothing but were seen holding caches (``undeclared_holders``).
 
     The same finding, attribution and storage counting as the audit
-    (:func:`kv_budget.audit.audit_module`), but over the declaring owners
-    and their ancestors only (an ancestor may hold a cache its declaring
-    child is charged with), found once when built: a sample then reads a
-    handful of modules' attributes, not the whole model's.
+    (:func:`kv_budget.audit.audit_module`), but over the declaring owners,
+    the undeclared holders and their ancestors only (an ancestor may hold a
+    cache its declaring child is charged with), found once when built: a
+    sample then reads a handful of modules' attributes, not the whole
+    model's. Attribution only ever charges a declaring owner; a cache no
+    declaring owner is charged with is counted under its first holder when
+    that holder is one of ``undeclared_holders``: a model that declares
+    nothing (vLLM-Omni's Qwen3-TTS off CUDA) keeps its per-request caches
+    between steps too, and a watch that saw them only inside a step would
+    read their retained bytes as 0.
     """
 
-    def __init__(self, module: Any, declaring_owners: list[str]) -> None:
+    def __init__(self, module: Any, declaring_owners: list[str], undeclared_holders: list[str] = ()) -> None:
         root = unwrap_model(module)
         self.owners = list(dict.fromkeys(declaring_owners))
-        wanted = set(self.owners)
+        self.undeclared_holders = [h for h in dict.fromkeys(undeclared_holders) if h not in self.owners]
+        wanted = set(self.owners) | set(self.undeclared_holders)
         self.holders = [
             (path, obj) for path, obj in walk_modules(root)
             if path in wanted or any(_is_below(owner, path) for owner in wanted)
@@ -453,7 +461,8 @@ class HeldBytes:
         self._layer_others: dict[tuple[type, frozenset[str]], tuple[str, ...]] = {}
 
     def measure(self) -> dict[str, int]:
-        """Bytes per declaring owner (0 when it holds none), each storage once."""
+        """Bytes per declaring owner and undeclared holder (0 when it holds
+        none), each storage once."""
         return self.measure_apart(set())[0]
 
     def measure_apart(self, apart: set[int]) -> tuple[dict[str, int], dict[str, int]]:
@@ -463,7 +472,7 @@ class HeldBytes:
         held = {path: held_caches(obj) for path, obj in self.holders}
         paths = [path for path, _ in self.holders]
         _, assigned = attribute_caches(paths, held, set(self.owners))
-        result = {owner: 0 for owner in self.owners}
+        result = {owner: 0 for owner in [*self.owners, *self.undeclared_holders]}
         rest = dict(result)
         seen: set[tuple[str, int | None, int]] = set()
         counted: set[int] = set()

@@ -98,10 +98,16 @@ class InStepPeaks(BaseModel):
     """Why tracking stopped (a cache it cannot count); the figures are then not used."""
 
     def with_untouched(self, untouched: dict[str, int]) -> InStepPeaks:
-        """Add each declaring owner's caches that lived through the window
-        without an update (measured after it): they were held all along."""
+        """Add the caches that lived through the window without an update
+        (measured after it, per declaring owner or undeclared holder): they
+        were held all along."""
         owners = {owner: held + untouched.get(owner, 0) for owner, held in self.owners.items()}
-        return self.model_copy(update={"owners": owners, "peak_bytes": self.peak_bytes + sum(untouched.values())})
+        undeclared = dict(self.undeclared)
+        for holder, size in untouched.items():
+            if holder not in owners and size:
+                undeclared[holder] = undeclared.get(holder, 0) + size
+        return self.model_copy(update={"owners": owners, "undeclared": undeclared,
+                                       "peak_bytes": self.peak_bytes + sum(untouched.values())})
 
 
 class _Tracked:

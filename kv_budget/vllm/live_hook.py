@@ -54,18 +54,20 @@ from kv_budget.watch.status import STATUS_DIR_ENV, EngineStatus, write_status
 
 logger = logging.getLogger("vllm.kv_budget")
 
-_scanners: dict[int, HeldBytes] = {}
-"""Per worker process: id(model) -> its scanner, built on the first sample."""
+_scanners: dict[int, tuple[tuple, HeldBytes]] = {}
+"""Per worker process: id(model) -> (what it was built for, its scanner), built on the first sample."""
 
-_trackers: dict[int, InStepTracker] = {}
-"""Per worker process: id(model) -> its in-step tracker, built on the first watched step."""
+_trackers: dict[int, tuple[tuple, InStepTracker]] = {}
+"""Per worker process: id(model) -> (what it was built for, its in-step tracker), built on the first watched step."""
 
 
-def _per_model(table: dict, cls: type, model: Any, owners: list[str]) -> Any:
-    """This model's scanner or tracker, rebuilt when the owners change."""
-    found = table.get(id(model))
-    if found is None or found.owners != owners:
-        found = table[id(model)] = cls(model, owners)
+def _per_model(table: dict, cls: type, model: Any, *owners: list[str]) -> Any:
+    """This model's scanner or tracker, rebuilt when the owners (declaring
+    owners, and for a scanner the undeclared holders) change."""
+    built_for, found = table.get(id(model), (None, None))
+    if found is None or built_for != owners:
+        found = cls(model, *owners)
+        table[id(model)] = (owners, found)
     return found
 
 
@@ -87,10 +89,13 @@ def watch_step_on_worker(worker: Any, owners_by_rank: dict[int, list[str]]) -> d
     return result
 
 
-def measure_on_worker(worker: Any, owners_by_rank: dict[int, list[str]]) -> dict:
+def measure_on_worker(worker: Any, owners_by_rank: dict[int, list[str]],
+                      holders_by_rank: dict[int, list[str]] | None = None) -> dict:
     """Runs in every worker (``collective_rpc``): the bytes each of this
-    rank's declaring owners holds now and, when a window was open, the
-    step's peaks (caches the window counted are not counted twice). Plain
+    rank's declaring owners, and each module an earlier window saw holding
+    caches it does not declare (``holders_by_rank``), holds now and, when a
+    window was open, the step's peaks (caches the window counted are not
+    counted twice). Plain
     JSON data back; a cache the audit cannot count is reported in ``error``
     (sampling stops on that rank rather than publish a partial figure), a
     window that could not count one in ``step_error``."""
@@ -101,7 +106,7 @@ def measure_on_worker(worker: Any, owners_by_rank: dict[int, list[str]]) -> dict
     tracker = cache_updates.stop()
     window = tracker.end() if tracker is not None else None
     try:
-        scanner = _per_model(_scanners, HeldBytes, model, owners)
+        scanner = _per_model(_scanners, HeldBytes, model, owners, (holders_by_rank or {}).get(worker.rank, []))
         held, untouched = scanner.measure_apart(tracker.touched() if tracker is not None else set())
         result["owners"] = [{"owner": owner, "bytes": size} for owner, size in held.items()]
         if window is not None and window.error is not None:
@@ -217,7 +222,8 @@ class LiveHook:
         cpu = time.thread_time()
         opening, self.watching, self.watch_seconds = self.watch_seconds, False, 0.0
         try:
-            results = core.collective_rpc(measure_on_worker, args=(self.owners_by_rank,))
+            results = core.collective_rpc(measure_on_worker,
+                                          args=(self.owners_by_rank, self.monitor.undeclared_holders()))
         except Exception as exc:  # noqa: BLE001 - see the docstring
             results = [{"rank": "?", "error": f"the sampling RPC failed: {type(exc).__name__}: {exc}"}]
         errors = [f"rank {r['rank']}: {r['error']}" for r in results if r["error"]]

@@ -409,11 +409,12 @@ class LiveMonitor:
                 track.step_bytes = step.owners.get(owner, 0)
                 track.step_allowed = track.expectation.allowed_in_step_bytes(self.held)
             found.extend(self._judge(rank, track, watched=step is not None))
-        total = sum(track.bytes for track in tracks.values())
+        found.extend(self._observe_undeclared(rank, {o: b for o, b in measured.items() if o not in tracks},
+                                              step.undeclared if step is not None else None))
+        total = sum(track.bytes for track in (*tracks.values(), *self.undeclared[rank].values()))
         self.bytes[rank] = total
         at_once = total
         if step is not None:
-            found.extend(self._observe_undeclared(rank, step.undeclared))
             self.step_bytes[rank] = step.peak_bytes
             at_once = max(total, step.peak_bytes)
         self.peak[rank] = max(self.peak[rank], at_once)
@@ -421,32 +422,43 @@ class LiveMonitor:
             self.peak_within_limit[rank] = max(self.peak_within_limit[rank], at_once)
         return found
 
-    def _observe_undeclared(self, rank: int, undeclared: dict[str, int]) -> list[Finding]:
-        """Modules that declare nothing and held caches inside the step:
-        their bytes per sequence held are excess, as an under-declaration's."""
+    def _observe_undeclared(self, rank: int, held: dict[str, int], step: dict[str, int] | None) -> list[Finding]:
+        """Modules that declare nothing and held caches, after the step
+        (``held``: the holders met in an earlier window, measured again) or
+        inside it (``step``, None when it was not watched): their bytes per
+        sequence held are excess, as an under-declaration's."""
         tracks = self.undeclared[rank]
-        for holder in undeclared:
+        for holder in [*(step or {}), *held]:
             if holder not in tracks:
                 tracks[holder] = _OwnerTrack(OwnerExpectation(
                     owner=holder, declarations=[], retained_fixed_bytes=0, retained_per_seq_bytes=0,
                     session_per_seq_bytes=0, invocation_per_seq_bytes=0))
         found: list[Finding] = []
         for holder, track in tracks.items():
-            track.step_bytes = undeclared.get(holder, 0)
-            track.step_allowed = 0
-            track.peak = max(track.peak, track.step_bytes)
-            track.ever_held = track.ever_held or track.step_bytes > 0
-            if not (self.held and track.step_bytes):
+            track.bytes = held.get(holder, 0)
+            if step is not None:
+                track.step_bytes = step.get(holder, 0)
+                track.step_allowed = 0
+            at_once = max(track.bytes, track.step_bytes or 0) if step is not None else track.bytes
+            track.peak = max(track.peak, at_once)
+            track.ever_held = track.ever_held or at_once > 0
+            if not (self.held and at_once):
                 continue
-            excess = math.ceil(track.step_bytes / self.held)
+            excess = math.ceil(at_once / self.held)
             if excess > track.excess_per_seq:
                 track.excess_per_seq = excess
                 self._excess_grew = True
+                where = "at once inside the step" if step is not None and at_once > track.bytes else "after the step"
                 found += track.report_once("undeclared", rank, excess, (
-                    f"rank {rank} module {holder or '<root>'!r} held {track.step_bytes:,} B of transformers "
-                    f"caches at once inside the step with {self.held} sequence(s) held, and declares none: "
+                    f"rank {rank} module {holder or '<root>'!r} held {at_once:,} B of transformers "
+                    f"caches {where} with {self.held} sequence(s) held, and declares none: "
                     f"undeclared, {excess:,} B per sequence counted as excess"))
         return found
+
+    def undeclared_holders(self) -> dict[int, list[str]]:
+        """Per rank, the modules that declare nothing and were seen holding
+        caches: sampled after each step from then on, as declaring owners are."""
+        return {rank: list(tracks) for rank, tracks in self.undeclared.items()}
 
     def _judge(self, rank: int, track: _OwnerTrack, watched: bool) -> list[Finding]:
         """One declaring owner's findings at this sample; ``watched``: the
