@@ -64,6 +64,7 @@ __all__ = [
     "deployment_path",
     "read_deployment",
     "record_stage",
+    "record_live_excess",
     "split_for",
     "split_max_num_seqs",
     "starved",
@@ -102,6 +103,19 @@ class PlannedStage(BaseModel):
     """``cap`` or ``warn``: whether its bound lowers its ``max_num_seqs``."""
 
     configured_max_num_seqs: int
+
+    live_excess_per_seq_bytes: int = 0
+    """Bytes per sequence its live measurement found beyond its declarations
+    (an under-declaration, or caches of a model that declares nothing):
+    charged as declared ones in the split from then on, so a stage that
+    holds caches nobody declared gets a share of the device, not 0 B."""
+
+    def split_budget(self) -> WorkerBudget:
+        """Its budget as the split charges it: declared plus measured per-sequence bytes."""
+        if not self.live_excess_per_seq_bytes:
+            return self.budget
+        return self.budget.model_copy(update={"per_seq_bytes": self.budget.per_seq_bytes
+                                              + self.live_excess_per_seq_bytes})
 
 
 class DeploymentRecord(BaseModel):
@@ -268,14 +282,33 @@ def record_stage(path: Path, stage: Stage, budget: WorkerBudget, measured_bytes:
     return record
 
 
+def record_live_excess(path: Path, stage: Stage, excess_per_seq_bytes: int) -> DeploymentRecord:
+    """Set what ``stage``'s live measurement found per sequence beyond its
+    declarations (raising it only) and return the record as it is now."""
+    with _locked(path):
+        record = _read(path)
+        planned, changed = [], False
+        for entry in record.planned:
+            if entry.stage == stage and excess_per_seq_bytes > entry.live_excess_per_seq_bytes:
+                entry = entry.model_copy(update={"live_excess_per_seq_bytes": excess_per_seq_bytes})
+                changed = True
+            planned.append(entry)
+        if changed:
+            record = record.model_copy(update={"planned": planned})
+            _write(path, record)
+    return record
+
+
 def _account(record: DeploymentRecord) -> dict[int, DeviceAccount]:
     """Every device's account under the split rule, with the stages that
-    recorded charged by their own declarations."""
+    recorded charged by their own declarations and what their live
+    measurement found beyond them."""
     budgets = {}
     for entry in record.planned:
-        budgets.setdefault(entry.stage.stage_id, StageBudget(entry.stage.stage_id,
-                                                             f"stage {entry.stage.stage_id}'s own declarations",
-                                                             entry.budget))
+        source = f"stage {entry.stage.stage_id}'s own declarations"
+        if entry.live_excess_per_seq_bytes:
+            source += f" and {entry.live_excess_per_seq_bytes:,} B per sequence measured beyond them"
+        budgets.setdefault(entry.stage.stage_id, StageBudget(entry.stage.stage_id, source, entry.split_budget()))
     deploy = DeployFile(path="the deploy as vLLM-Omni resolved it", base_files=[], platform=None,
                         platform_note="resolved by vLLM-Omni", stages=record.stages)
     plan = plan_deploy(deploy, record.capacities, budgets, "cap", record.capacity_sources, record.headrooms)
@@ -345,7 +378,7 @@ def split_for(record: DeploymentRecord, stage: Stage) -> StageSplit:
             measured_source = (f"{entry.measured_source}: {measured:,} B, minus {off_measured:,} B of the other "
                                "stages' parts (admission terms of those that had not planned when it sampled, "
                                "model-local KV of all)")
-            if _bound(measured_room, entry.budget) < _bound(split_bytes, entry.budget):
+            if _bound(measured_room, entry.split_budget()) < _bound(split_bytes, entry.split_budget()):
                 room, binding = measured_room, "measured"
         devices.append(DeviceSplit(
             device=device,
@@ -376,7 +409,8 @@ def split_max_num_seqs(record: DeploymentRecord, stage: Stage) -> int | None:
 
 
 def _max_num_seqs(entry: PlannedStage, split: StageSplit) -> int:
-    bounds = [safe_max_num_seqs(part.room_bytes, entry.budget.uncharged_fixed_bytes, entry.budget.per_seq_bytes)
+    budget = entry.split_budget()
+    bounds = [safe_max_num_seqs(part.room_bytes, budget.uncharged_fixed_bytes, budget.per_seq_bytes)
               for part in split.devices]
     return min([bound for bound in bounds if bound is not None] + [entry.configured_max_num_seqs])
 
@@ -394,8 +428,9 @@ def starved(record: DeploymentRecord, stage: Stage) -> list[str]:
         split = split_for(record, entry.stage)
         if _max_num_seqs(entry, split) == 0:
             rooms = ", ".join(f"device {p.device}: {p.room_bytes:,} B" for p in split.devices)
-            found.append(f"{entry.stage.label()} (uncharged fixed {entry.budget.uncharged_fixed_bytes:,} B, "
-                         f"per sequence {entry.budget.per_seq_bytes:,} B; its part {rooms})")
+            budget = entry.split_budget()
+            found.append(f"{entry.stage.label()} (uncharged fixed {budget.uncharged_fixed_bytes:,} B, "
+                         f"per sequence {budget.per_seq_bytes:,} B; its part {rooms})")
     return found
 
 

@@ -40,6 +40,7 @@ from kv_budget.deployment import (
     DeploymentRecord,
     StageSplit,
     read_deployment,
+    record_live_excess,
     record_stage,
     split_for,
     starved,
@@ -414,6 +415,14 @@ class DeploymentPlanning:
                 f"{'; '.join(left_out)} not one sequence under cap; lower the stages' max_num_seqs or "
                 "gpu_memory_utilization on the device, or give it more headroom")
         return placed
+
+    def with_live_excess(self, excess_per_seq_bytes: int) -> list[WorkerBudget]:
+        """Record what live measurement found per sequence beyond this
+        stage's declarations, and return its workers under the split as it
+        is now: the other stages' measurements count too, so a stage that
+        holds caches nobody declared gets its share of the device, and one
+        whose neighbour's caches grew gets less."""
+        return self._against(record_live_excess(self.path, self.stage, excess_per_seq_bytes))
 
     def final(self) -> list[WorkerBudget] | None:
         """The workers under the final split; None while a stage on its

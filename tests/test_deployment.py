@@ -41,6 +41,7 @@ from kv_budget.plan.planner import WorkerBudget, budget_worker, headroom_overrid
 from kv_budget.settings import ModelLocalKVSettings
 from kv_budget.stage import Stage
 from kv_budget.startup import DeploymentPlanning, ModelLocalKVInfeasibleError, final_deployment_plan, plan_startup
+from kv_budget.sample.in_step import InStepPeaks
 from kv_budget.units import GiB, MiB
 
 DEMO_PER_SEQ = 2 * 1 * 2 * 64 * 1088 * 4
@@ -303,3 +304,44 @@ def test_a_record_a_stage_cannot_read_is_one_warning_and_the_stage_plans_alone(t
     assert line.startswith(f"kv-budget: the kv-budget deployment record {broken} cannot be read")
     assert line.endswith("stage 0 replica 0 plans against its own headroom and the device ledger only")
     assert DeploymentPlanning.of_this_process(None) is None  # a plain vLLM engine: no stage, no record read
+
+
+def test_a_stage_that_declares_nothing_gets_its_share_once_live_measurement_finds_its_caches(tmp_path, demo_spec):
+    """The shape of vLLM-Omni's Qwen3-TTS off CUDA: two stages on one
+    device under an operator's 4 MiB, neither declaring. Before any
+    measurement neither is charged, so the split gives neither a share.
+    When stage 1's live watch finds caches nobody declared, its measured
+    bytes per sequence enter the record: it is the only stage with demand,
+    so the whole 4 MiB is its room, and its live limit is the largest that
+    fits, not 1. A declaring neighbour's share shrinks by the same rule."""
+    from kv_budget.plan.planner import make_plan
+    from kv_budget.watch.live import LiveMonitor, WorkerSample
+
+    deploy = two_stage_demo(tmp_path, (256, 256))
+    path = new_record(tmp_path / "tts.json", deploy, headrooms={0: (4 * MiB, "operator")})
+    nothing = Collection(specs=(), failures=())
+    planning = {}
+    for sid in (0, 1):
+        planning[sid] = DeploymentPlanning(path, read_deployment(path), Stage(stage_id=sid, replica=0))
+        (worker,) = planning[sid].plan_against([budget_worker(nothing, headroom_override(4 * MiB), max_num_seqs=256)],
+                                               ModelLocalKVSettings(headroom_bytes=4 * MiB), 256)
+        assert worker.headroom.bytes == 0 and worker.per_seq_bytes == 0
+    row = 18_432  # one request's decoder cache: 72 positions x 256 B
+    monitor = LiveMonitor(make_plan([worker], 256, "cap"), step_peaks=True, resplit=planning[1].with_live_excess)
+    peaks = InStepPeaks(owners={}, undeclared={"": 200 * row}, peak_bytes=200 * row, caches=200, updates=8,
+                        seconds=0.0)
+    update = monitor.observe([WorkerSample(rank=0, owners=[], seconds=0.0, step=peaks)], running=200,
+                             finished_unfreed=0, completed=0, now=0.0)
+    assert [f.kind for f in update.findings] == ["undeclared", "limit-lowered"]
+    assert update.lowered_limit == 4 * MiB // row == 227
+    record = read_deployment(path)
+    assert {e.stage.stage_id: e.live_excess_per_seq_bytes for e in record.planned} == {0: 0, 1: row}
+    part = split_for(record, Stage(stage_id=1, replica=0)).devices[0]
+    assert (part.share_bytes, part.room_bytes) == (4 * MiB, 4 * MiB)
+    assert bound(record, 1) == 227 and bound(record, 0) == 256
+    # A stage that declares per-sequence KV beside it now shares the 4 MiB by demand.
+    collection = load_spec_file(demo_spec)
+    record = enter(path, 0, collection, 256, None)
+    left = 4 * MiB
+    assert bound(record, 0) == left * DEMO_PER_SEQ // (DEMO_PER_SEQ + row) // DEMO_PER_SEQ
+    assert bound(record, 1) == left * row // (DEMO_PER_SEQ + row) // row

@@ -39,8 +39,8 @@ import os
 import time
 from typing import Any
 
-from kv_budget.deployment import StageSplit
-from kv_budget.plan.planner import Decision, Plan
+from kv_budget.deployment import DeploymentError
+from kv_budget.plan.planner import Decision, Plan, WorkerBudget
 from kv_budget.sample.caches import HeldBytes, UnsupportedCacheError
 from kv_budget.sample.in_step import InStepTracker
 from kv_budget.settings import ModelLocalKVSettings, Policy
@@ -144,8 +144,10 @@ class LiveHook:
 
     def __init__(self, core: Any, vllm_config: Any, plan: Plan, settings: ModelLocalKVSettings,
                  stage: Stage | None = None, overrides: list[str] | None = None,
-                 unmatched_overrides: list[str] | None = None, deployment: StageSplit | None = None) -> None:
-        self.monitor = LiveMonitor(plan, settings.sample_interval_s, settings.step_peaks)
+                 unmatched_overrides: list[str] | None = None, planning: DeploymentPlanning | None = None) -> None:
+        self.planning = planning
+        self.monitor = LiveMonitor(plan, settings.sample_interval_s, settings.step_peaks,
+                                   self._resplit if planning is not None else None)
         self.stage = stage
         self.overrides = list(overrides or [])
         """The overrides that applied here, as the workers filtered them for the stage."""
@@ -153,7 +155,7 @@ class LiveHook:
         self.owners_by_rank = {
             worker.rank: list(dict.fromkeys(line.owner for line in worker.declarations)) for worker in plan.workers
         }
-        self.deployment = deployment
+        self.deployment = planning.split if planning is not None else None
         """The stage's part of its vLLM-Omni deployment, for the status file."""
         self.engine_index = int(getattr(core, "engine_index", 0) or 0)
         self.model = str(vllm_config.model_config.model)
@@ -167,6 +169,20 @@ class LiveHook:
         self.watch_seconds = 0.0
         """The CPU time opening them took (the engine core's and the slowest worker's), added to the sample's cost."""
         self.write_status()
+
+    def _resplit(self, excess_per_seq_bytes: int) -> list[WorkerBudget] | None:
+        """The monitor's :data:`~kv_budget.watch.live.Resplit`: this stage's
+        measured excess into the deployment's record, its workers' room back.
+        A record that cannot be read logs one warning and keeps the room."""
+        try:
+            placed = self.planning.with_live_excess(excess_per_seq_bytes)
+        except DeploymentError as exc:
+            logger.warning("kv-budget: live: %s; %s keeps its current room and stops re-splitting", exc,
+                           self.planning.stage.label())
+            self.monitor.resplit = None
+            return None
+        self.deployment = self.planning.split
+        return placed
 
     def before_step(self, core: Any) -> None:
         """Open the workers' in-step windows when a sample is due and
@@ -287,14 +303,14 @@ class LiveHook:
 
 def start_live(core: Any, vllm_config: Any, plan: Plan, settings: ModelLocalKVSettings, stage: Stage | None = None,
                overrides: list[str] | None = None, unmatched_overrides: list[str] | None = None,
-               deployment: StageSplit | None = None) -> LiveHook | None:
+               planning: DeploymentPlanning | None = None) -> LiveHook | None:
     """Attach a :class:`LiveHook` to ``core`` (policy cap or warn, sampling
     on), or only publish the startup plan when sampling is off or nothing
     is declared; return it (None under other policies)."""
     if plan.policy not in WATCHED_POLICIES:
         return None
     hook = LiveHook(core, vllm_config, plan, settings, stage, overrides, unmatched_overrides,
-                    deployment)  # writes the status
+                    planning)  # writes the status
     if settings.sample_interval_s == 0:
         logger.info("kv-budget: live sampling off (--model-local-kv-sample-interval 0)")
         return hook

@@ -109,7 +109,7 @@ def plan_after_kv_caches(core: Any, vllm_config: Any) -> Plan | None:
         logger.warning("%s", summary_line(plan))
     split = deployment.split if deployment is not None else None
     live = start_live(core, vllm_config, plan, settings, stage, results[0]["overrides"],
-                      unmatched_on_every_worker(results), split)
+                      unmatched_on_every_worker(results), deployment)
     if split is not None and not split.final:
         core._kv_budget_pending_split = PendingSplit(deployment, settings, configured, label, vllm_figures(), live)
     return plan

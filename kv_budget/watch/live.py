@@ -57,6 +57,7 @@ Each finding is logged once, with its figures; all of them stay in
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Literal
 
 from pydantic import BaseModel
@@ -97,6 +98,12 @@ held nothing in every sample is reported "declared but absent". Fewer would
 flag a model whose first requests take a path without the cache."""
 
 Verdict = Literal["ok", "under-declared", "undeclared", "declared-but-absent", "leak", "not-observable", "idle"]
+
+Resplit = Callable[[int], "list[WorkerBudget] | None"]
+"""A vLLM-Omni stage's re-split: given the most bytes per sequence any of
+its workers measured beyond its declarations, the workers with the room the
+deployment gives them now (None: the record could not be read, keep what
+there is). Injected by the engine glue, so the monitor stays pure."""
 
 WATCHED_POLICIES = (Policy.CAP, Policy.WARN, Policy.RESERVE)
 """The policies whose engines are watched; ``off`` is not."""
@@ -318,7 +325,7 @@ class LiveMonitor:
     applies what it returns."""
 
     def __init__(self, plan: Plan, sample_interval_s: float = DEFAULT_SAMPLE_INTERVAL_S,
-                 step_peaks: bool = False) -> None:
+                 step_peaks: bool = False, resplit: Resplit | None = None) -> None:
         if plan.policy not in WATCHED_POLICIES:
             raise ValueError(f"live monitoring follows a cap, warn or reserve plan, not {plan.policy.value}")
         if not sample_interval_s >= 0:
@@ -328,6 +335,9 @@ class LiveMonitor:
         self.step_peaks = step_peaks
         """Whether samples carry in-step peaks; the hook turns it off when a window fails."""
         self.workers = {worker.rank: worker for worker in plan.workers}
+        self.resplit = resplit
+        """A vLLM-Omni stage's: its workers' room after the deployment
+        re-splits with this stage's measured excess (:data:`Resplit`)."""
         self.owners = {
             worker.rank: {e.owner: _OwnerTrack(e) for e in owner_expectations(worker)} for worker in plan.workers
         }
@@ -392,7 +402,8 @@ class LiveMonitor:
         self._excess_grew = False
         for sample in samples:
             new.extend(self._observe_rank(sample))
-        lowered = self._correct(new) if self._excess_grew else None
+        resplit = self._resplit()
+        lowered = self._correct(new) if self._excess_grew or resplit else None
         self.findings.extend(new)
         return LiveUpdate(findings=new, lowered_limit=lowered)
 
@@ -509,6 +520,22 @@ class LiveMonitor:
                     f"{owner} still holds {track.bytes:,} B with no request in the engine, {leaked:,} B beyond "
                     f"its fixed rows ({expectation.retained_fixed_bytes:,} B): leak"))
         return found
+
+    def _resplit(self) -> bool:
+        """In a deployment: hand the measured excess to the split and take
+        the room it gives each worker now; whether the room changed."""
+        if self.resplit is None:
+            return False
+        excess = max(self.rank_per_seq_bytes(rank) - worker.per_seq_bytes for rank, worker in self.workers.items())
+        placed = self.resplit(excess)
+        if placed is None:
+            return False
+        changed = False
+        for worker in placed:
+            if worker.rank in self.workers and worker.headroom != self.workers[worker.rank].headroom:
+                self.workers[worker.rank] = self.workers[worker.rank].model_copy(update={"headroom": worker.headroom})
+                changed = True
+        return changed
 
     def rank_per_seq_bytes(self, rank: int) -> int:
         """Declared per-sequence bytes plus each owner's largest measured excess."""
