@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check, for a fresh single-GPU CUDA machine. Not part of `make test`.
 #
-#   bash benchmarks/gpu_check.sh [OUT_DIR]        # finishes within 15 minutes
+#   bash benchmarks/gpu_check.sh [OUT_DIR]        # steps 1-5 finish within 15 minutes
 #
 # 1. NVML and CUDA without vLLM (benchmarks/gpu_nvml_check.py): the real
 #    NVML sampler, by index and by UUID, a real StaticCache on the GPU
@@ -23,6 +23,18 @@
 #    share of real CUDA memory; their deployment split (NVML capacity and
 #    free memory) must equal `kv-budget plan --deploy`'s, and the model-local
 #    KV each then allocates at its split must fit. Needs no vLLM.
+# 6. vLLM-Omni's Qwen3-TTS on Model Runner V2: `vllm-omni serve MODEL --omni`
+#    with vLLM-Omni's shipped deploy (vllm_omni/deploy/qwen3_tts.yaml, whose
+#    `model_runner: v2` is the runner on CUDA) and kv-budget under
+#    --model-local-kv-policy cap. Both stages must log vLLM-Omni's "Using MR
+#    v2" runner line, kv-budget must log that it planned on the V2 runner's
+#    model in stage 1 (code2wav) and write plan.stage1-replica0.json with
+#    that stage's decoder declarations; one /v1/audio/speech request is sent
+#    and its outcome printed. vLLM-Omni 0.30.0 needs vLLM 0.30, so it gets a
+#    venv of its own (.venv-gpu-omni, `.[omni]`); the checkpoint is
+#    $QWEN3_TTS_MODEL, else the small random Qwen3-TTS checkpoint of
+#    tests/omni_cpu (kv_budget_omni_cpu.qwen3_tts_checkpoint). SKIPPED where
+#    vLLM-Omni cannot be installed. Adds up to 10 minutes to steps 1-5.
 #
 # Installs what it needs into .venv-gpu (PyTorch from the machine where one
 # is installed, plus kv-budget with the `cuda` extra). Where the package
@@ -110,7 +122,99 @@ else
     step5=FAIL
 fi
 
+step6=SKIPPED
+OMNI_PY=.venv-gpu-omni/bin/python
+[ -x "$OMNI_PY" ] || python3 -m venv --system-site-packages .venv-gpu-omni
+if ! $OMNI_PY -c "import vllm_omni, kv_budget" 2>/dev/null; then
+    timeout 420 $OMNI_PY -m pip install -q -e '.[omni]' >"$OUT_DIR/pip-omni.log" 2>&1 \
+        || echo "[gpu-check] pip could not install vLLM-Omni 0.30.0 (.[omni], offline?): see $OUT_DIR/pip-omni.log"
+fi
+if $OMNI_PY -c "import vllm_omni, kv_budget" 2>/dev/null; then
+    echo "[gpu-check] step 6: vLLM-Omni Qwen3-TTS on Model Runner V2, policy cap"
+    tts="$OUT_DIR/qwen3-tts"
+    mkdir -p "$tts"
+    model=${QWEN3_TTS_MODEL:-}
+    if [ -z "$model" ]; then
+        model="$tts/checkpoint"
+        PYTHONPATH="$PWD/tests/omni_cpu${PYTHONPATH:+:$PYTHONPATH}" timeout 180 \
+            $OMNI_PY -m kv_budget_omni_cpu.qwen3_tts_checkpoint "$model" >"$tts/checkpoint.log" 2>&1 || model=""
+    fi
+    # The deploy vLLM-Omni ships, as shipped (found without importing vllm_omni, which patches vLLM).
+    deploy=$($OMNI_PY -c "import importlib.util as u; print(u.find_spec('vllm_omni').submodule_search_locations[0])")
+    deploy="$deploy/deploy/qwen3_tts.yaml"
+    port=$($OMNI_PY -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+    if [ -z "$model" ]; then
+        step6=FAIL
+        echo "[gpu-check] step 6: no checkpoint (set QWEN3_TTS_MODEL); see $tts/checkpoint.log"
+        tail -20 "$tts/checkpoint.log"
+    else
+        grep -n "model_runner" "$deploy" | head -3
+        # Its own session, so stopping it stops the stage processes it spawned.
+        setsid .venv-gpu-omni/bin/vllm-omni serve "$model" --omni --deploy-config "$deploy" \
+            --host 127.0.0.1 --port "$port" --stage-init-timeout 420 \
+            --model-local-kv-policy cap --model-local-kv-report "$tts/plan.json" >"$tts/server.log" 2>&1 &
+        server=$!
+        PORT=$port MODEL=$model timeout 480 $OMNI_PY - >"$tts/request.log" 2>&1 <<'PYEOF'
+import json, os, time, urllib.request
+url = f"http://127.0.0.1:{os.environ['PORT']}"
+for _ in range(450):  # the stages start one after the other: CUDA graphs, the decoder's graphs
+    try:
+        urllib.request.urlopen(f"{url}/health", timeout=5).read()
+        break
+    except OSError:
+        time.sleep(1)
+else:
+    raise SystemExit("the server did not become healthy")
+print("healthy")
+body = json.dumps({"model": os.environ["MODEL"], "input": "Admission control for model-local caches.",
+                   "response_format": "wav"}).encode()
+request = urllib.request.Request(f"{url}/v1/audio/speech", body, {"Content-Type": "application/json"})
+try:
+    with urllib.request.urlopen(request, timeout=120) as response:
+        audio = response.read()
+    print("speech:", response.status, len(audio), "bytes", "RIFF" if audio[:4] == b"RIFF" else "not a WAV")
+except Exception as exc:  # printed, not failed on: random weights may end the speech at once
+    print("speech request failed:", type(exc).__name__, exc)
+PYEOF
+        healthy=$?
+        kill -TERM -- "-$server" 2>/dev/null
+        ( sleep 30; kill -KILL -- "-$server" 2>/dev/null ) &
+        killer=$!
+        wait "$server" 2>/dev/null
+        kill "$killer" 2>/dev/null
+        kill -KILL -- "-$server" 2>/dev/null  # a stage process left behind
+        cat "$tts/request.log"
+        grep -o "Using MR v2 Omni[A-Za-z]*ModelRunner[^.]*" "$tts/server.log" | sort -u
+        grep -o "kv-budget: rank [0-9]* runs vLLM's Model Runner V2 ([A-Za-z]*)[^)]*)" "$tts/server.log" | sort -u
+        # Stage 1 planned on Model Runner V2: the runner lines, kv-budget's own line for the
+        # code2wav runner, and its report with the stage's declarations.
+        if [ "$healthy" = 0 ] \
+            && grep -q "Using MR v2 OmniARModelRunner" "$tts/server.log" \
+            && grep -q "Using MR v2 OmniGenerationModelRunner" "$tts/server.log" \
+            && grep -q "kv-budget: rank 0 runs vLLM's Model Runner V2 (OmniGenerationModelRunner)" "$tts/server.log" \
+            && $OMNI_PY - "$tts/plan.stage1-replica0.json" <<'PYEOF'
+import json, sys
+report = json.load(open(sys.argv[1]))
+declared = sorted({f"{d['owner']}/{d['name']}" for w in report["workers"] for d in w["declarations"]})
+print(f"[gpu-check] stage {report['stage']['stage_id']}: policy {report['policy']}, decision {report['decision']}, "
+      f"max_num_seqs {report['configured_max_num_seqs']} -> {report['effective_max_num_seqs']}, "
+      f"per sequence {report['per_seq_bytes']:,} B, headroom {report['headroom_bytes']:,} B; declared: {declared}")
+sys.exit(0 if report["stage"]["stage_id"] == 1 and report["policy"] == "cap" and declared
+         and report["decision"] in ("ok", "capped") else 1)
+PYEOF
+        then
+            step6=PASS
+        else
+            step6=FAIL
+            grep -n "kv-budget\|Error\|error" "$tts/server.log" | tail -40
+        fi
+    fi
+else
+    echo "[gpu-check] step 6 SKIPPED: vLLM-Omni 0.30.0 is not installed and could not be installed here"
+fi
+
 echo "[gpu-check] step 1 (NVML/CUDA): $([ "$step1" = 0 ] && echo PASS || echo FAIL); step 2 (demo): $step2;" \
     "step 3 (reserve): $step3; step 4 (live): $step4; step 5 (deployment split): $step5;" \
-    "$(( $(date +%s) - start )) s"
-[ "$step1" = 0 ] && [ "$step2" != FAIL ] && [ "$step3" != FAIL ] && [ "$step4" != FAIL ] && [ "$step5" = PASS ]
+    "step 6 (Qwen3-TTS on Model Runner V2): $step6; $(( $(date +%s) - start )) s"
+[ "$step1" = 0 ] && [ "$step2" != FAIL ] && [ "$step3" != FAIL ] && [ "$step4" != FAIL ] && [ "$step5" = PASS ] \
+    && [ "$step6" != FAIL ]

@@ -79,6 +79,7 @@ logger = logging.getLogger("vllm.kv_budget")
 
 __all__ = [
     "NO_HEADROOM_UNDER_RESERVE",
+    "worker_result",
     "DeploymentPlanning",
     "ModelLocalKVInfeasibleError",
     "ModelLocalKVOverrideError",
@@ -127,6 +128,13 @@ NO_HEADROOM_UNDER_RESERVE = "not sampled: policy reserve takes model-local KV ou
 
 # --- in every worker ----------------------------------------------------------
 
+def worker_result(rank: int, failure: str | None = None) -> dict:
+    """A worker's answer with no budget yet: what :func:`budget_loaded_model`
+    fills in, or, with ``failure``, a refusal :func:`checked_results` names."""
+    return {"rank": rank, "budget": None, "error": None, "override_error": None, "failure": failure,
+            "declarations": [], "overrides": [], "unmatched_overrides": [], "seconds": 0.0}
+
+
 def budget_loaded_model(
     model: Any, rank: int, device: tuple[str, int], settings: dict, configured_max_num_seqs: int, sharers: int,
     sample: bool = True, stage_id: int | None = None,
@@ -139,16 +147,7 @@ def budget_loaded_model(
     ``error`` / ``override_error`` / ``failure`` for :func:`plan_startup` to
     raise, with every rank's figures in hand; this never raises."""
     start = time.perf_counter()
-    result: dict[str, Any] = {
-        "rank": rank,
-        "budget": None,
-        "error": None,
-        "override_error": None,
-        "failure": None,
-        "declarations": [],
-        "overrides": [],
-        "unmatched_overrides": [],
-    }
+    result = worker_result(rank)
     try:
         config = ModelLocalKVSettings.model_validate(settings)
         collection = collect_model_local_kv_specs(model)

@@ -264,6 +264,14 @@ def test_vllm_033_published_source_holds_every_hook_point(vllm_033):
     assert member.parameters == ("self", "vllm_config")
 
 
+@pytest.mark.network
+def test_vllm_033_published_source_keeps_model_runner_v2s_model_where_kv_budget_reads_it(vllm_033):
+    """On CUDA vLLM 0.33 runs Model Runner V2 by default where Triton is
+    (``VllmConfig.use_v2_model_runner``): a worker running it refuses a
+    capping engine unless these hold (``tests/test_model_runner_v2.py``)."""
+    assert compat.model_runner_v2_problems(vllm_033) == []
+
+
 def test_vllm_033_is_listed_as_checked_against_source_not_run():
     row = support_of("0.33.0")
     assert (row.checked_on, row.how) == ("vllm 0.33.0", "source")

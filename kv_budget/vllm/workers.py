@@ -6,23 +6,42 @@ Every worker's budget comes through ``collective_rpc`` (checked by
 ``Executor.collective_rpc`` take ``args``); the worker side unpacks its
 model, rank and device and calls the core
 (:func:`kv_budget.startup.budget_loaded_model`).
+
+A worker running vLLM's Model Runner V2 first checks that its model is
+where kv-budget reads it (``compat.model_runner_v2_problem``); where it is
+not, the worker reports a failure instead of a budget, and the engine core
+refuses under ``cap`` and ``reserve`` in one line naming what is missing
+(``ModelLocalKVPlanningError``; ``warn`` logs it and starts unprotected),
+rather than plan on a model that holds nothing.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 from kv_budget.settings import ModelLocalKVSettings
-from kv_budget.startup import budget_loaded_model, checked_results, engine_label
-from kv_budget.vllm.compat import checked_vllm
+from kv_budget.startup import budget_loaded_model, checked_results, engine_label, worker_result
+from kv_budget.vllm.compat import checked_vllm, model_runner_v2_problem, runs_model_runner_v2
 from kv_budget.vllm.omni import stage_of
+
+logger = logging.getLogger("vllm.kv_budget")
 
 
 def budget_on_worker(worker: Any, settings: dict, configured_max_num_seqs: int, sharers: int,
                      sample: bool = True, stage_id: int | None = None) -> dict:
     """Runs in every worker (``collective_rpc``):
-    :func:`kv_budget.startup.budget_loaded_model` on its model and device."""
+    :func:`kv_budget.startup.budget_loaded_model` on its model and device,
+    or, where the worker runs Model Runner V2 and its model is not at
+    ``worker.model_runner.model``, a failure naming why."""
+    problem = model_runner_v2_problem(worker)
+    if problem is not None:
+        return worker_result(worker.rank, problem)
+    runner = getattr(worker, "model_runner", None)
+    if runner is not None and runs_model_runner_v2(runner):
+        logger.info("kv-budget: rank %d runs vLLM's Model Runner V2 (%s); planning on worker.model_runner.model (%s)",
+                    worker.rank, type(runner).__qualname__, type(runner.model).__qualname__)
     device = worker.device
     return budget_loaded_model(worker.model_runner.model, worker.rank, (device.type, device.index or 0), settings,
                                configured_max_num_seqs, sharers, sample, stage_id)
