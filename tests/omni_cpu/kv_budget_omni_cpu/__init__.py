@@ -13,10 +13,17 @@ replaces and why in its docstring:
 * :mod:`.platform`: a vLLM-Omni platform over vLLM's ``CpuPlatform``,
   through vLLM-Omni's own ``vllm_omni.platform_plugins`` group
   (:func:`platform_plugin`);
-* :mod:`.worker`: vLLM-Omni's AR model runner over vLLM's CPU runner, in
-  vLLM's CPU worker;
+* :mod:`.worker`: vLLM-Omni's AR and generation model runners over vLLM's
+  CPU runner, in vLLM's CPU worker;
 * :mod:`.pipelines`: text pipelines of kv-budget's demo model, registered
   with vLLM-Omni's ``register_pipeline``;
+* :mod:`.qwen3_tts_checkpoint` and :mod:`.qwen3_tts_deploy` (imported by
+  the tests only): a small Qwen3-TTS checkpoint for vLLM-Omni's own
+  ``qwen3_tts`` pipeline, and vLLM-Omni's own ``deploy/qwen3_tts.yaml``
+  with what this machine needs changed, each change with its reason;
+* :mod:`.qwen3_tts_probe` (switched on by environment variables): the
+  test's own count of what the code2wav stage holds, and the real
+  CUDA-graph wrapper attached so its decoder declares off CUDA;
 * :func:`register` (a ``vllm.general_plugins`` entry point, so it runs in
   the driver, each stage's engine core and its workers): the demo
   architecture in vLLM-Omni's own model registry, and the pipelines.
@@ -72,4 +79,7 @@ def register() -> None:
     install()
     register_demo_architecture()
     register_pipelines()
+    from kv_budget_omni_cpu.qwen3_tts_probe import install as install_qwen3_tts_probe
+
+    install_qwen3_tts_probe()
     _registered = True

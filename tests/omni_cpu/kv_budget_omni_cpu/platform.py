@@ -17,7 +17,9 @@ vLLM asks of a platform is vLLM's CPU answer. What it adds is what
 host: one device per NUMA memory node (the CPU build's device-control
 variable ``CPU_VISIBLE_MEMORY_NODES`` selects nodes), no device to
 synchronize, free memory as vLLM's CPU worker reads it, and the worker
-classes of :mod:`kv_budget_omni_cpu.worker`.
+classes of :mod:`kv_budget_omni_cpu.worker` (an AR worker for ``LLM_AR``
+stages, a generation worker for ``LLM_GENERATION`` stages such as
+Qwen3-TTS's code2wav).
 """
 
 from __future__ import annotations
@@ -46,10 +48,7 @@ class CpuOmniPlatform(OmniPlatform, CpuPlatform):
 
     @classmethod
     def get_omni_generation_worker_cls(cls) -> str:
-        raise NotImplementedError(
-            "kv_budget_omni_cpu (test support) runs vLLM-Omni's LLM_AR stages on vLLM's CPU build only; "
-            "no generation-stage worker is provided yet"
-        )
+        return "kv_budget_omni_cpu.worker.CpuGenerationWorker"
 
     @classmethod
     def supports_torch_inductor(cls) -> bool:
