@@ -110,12 +110,17 @@ class PlannedStage(BaseModel):
     charged as declared ones in the split from then on, so a stage that
     holds caches nobody declared gets a share of the device, not 0 B."""
 
+    live_excess_fixed_bytes: int = 0
+    """Fixed bytes its live measurement found beyond its declarations (what
+    a step adds over an undeclared holder's kept caches), charged likewise."""
+
     def split_budget(self) -> WorkerBudget:
-        """Its budget as the split charges it: declared plus measured per-sequence bytes."""
-        if not self.live_excess_per_seq_bytes:
+        """Its budget as the split charges it: declared plus measured bytes."""
+        if not (self.live_excess_per_seq_bytes or self.live_excess_fixed_bytes):
             return self.budget
-        return self.budget.model_copy(update={"per_seq_bytes": self.budget.per_seq_bytes
-                                              + self.live_excess_per_seq_bytes})
+        return self.budget.model_copy(update={
+            "per_seq_bytes": self.budget.per_seq_bytes + self.live_excess_per_seq_bytes,
+            "uncharged_fixed_bytes": self.budget.uncharged_fixed_bytes + self.live_excess_fixed_bytes})
 
 
 class DeploymentRecord(BaseModel):
@@ -282,15 +287,19 @@ def record_stage(path: Path, stage: Stage, budget: WorkerBudget, measured_bytes:
     return record
 
 
-def record_live_excess(path: Path, stage: Stage, excess_per_seq_bytes: int) -> DeploymentRecord:
-    """Set what ``stage``'s live measurement found per sequence beyond its
-    declarations (raising it only) and return the record as it is now."""
+def record_live_excess(path: Path, stage: Stage, per_seq_bytes: int, fixed_bytes: int = 0) -> DeploymentRecord:
+    """Set what ``stage``'s live measurement found beyond its declarations,
+    per sequence and fixed (raising each only), and return the record as it
+    is now."""
     with _locked(path):
         record = _read(path)
         planned, changed = [], False
         for entry in record.planned:
-            if entry.stage == stage and excess_per_seq_bytes > entry.live_excess_per_seq_bytes:
-                entry = entry.model_copy(update={"live_excess_per_seq_bytes": excess_per_seq_bytes})
+            if entry.stage == stage and (per_seq_bytes > entry.live_excess_per_seq_bytes
+                                         or fixed_bytes > entry.live_excess_fixed_bytes):
+                entry = entry.model_copy(update={
+                    "live_excess_per_seq_bytes": max(per_seq_bytes, entry.live_excess_per_seq_bytes),
+                    "live_excess_fixed_bytes": max(fixed_bytes, entry.live_excess_fixed_bytes)})
                 changed = True
             planned.append(entry)
         if changed:
@@ -306,8 +315,9 @@ def _account(record: DeploymentRecord) -> dict[int, DeviceAccount]:
     budgets = {}
     for entry in record.planned:
         source = f"stage {entry.stage.stage_id}'s own declarations"
-        if entry.live_excess_per_seq_bytes:
-            source += f" and {entry.live_excess_per_seq_bytes:,} B per sequence measured beyond them"
+        if entry.live_excess_per_seq_bytes or entry.live_excess_fixed_bytes:
+            source += (f" and {entry.live_excess_per_seq_bytes:,} B per sequence + {entry.live_excess_fixed_bytes:,} B "
+                       "fixed measured beyond them")
         budgets.setdefault(entry.stage.stage_id, StageBudget(entry.stage.stage_id, source, entry.split_budget()))
     deploy = DeployFile(path="the deploy as vLLM-Omni resolved it", base_files=[], platform=None,
                         platform_note="resolved by vLLM-Omni", stages=record.stages)

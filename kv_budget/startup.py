@@ -415,13 +415,13 @@ class DeploymentPlanning:
                 "gpu_memory_utilization on the device, or give it more headroom")
         return placed
 
-    def with_live_excess(self, excess_per_seq_bytes: int) -> list[WorkerBudget]:
-        """Record what live measurement found per sequence beyond this
-        stage's declarations, and return its workers under the split as it
+    def with_live_excess(self, per_seq_bytes: int, fixed_bytes: int = 0) -> list[WorkerBudget]:
+        """Record what live measurement found beyond this stage's
+        declarations (per sequence, fixed), and return its workers under the split as it
         is now: the other stages' measurements count too, so a stage that
         holds caches nobody declared gets its share of the device, and one
         whose neighbour's caches grew gets less."""
-        return self._against(record_live_excess(self.path, self.stage, excess_per_seq_bytes))
+        return self._against(record_live_excess(self.path, self.stage, per_seq_bytes, fixed_bytes))
 
     def final(self) -> list[WorkerBudget] | None:
         """The workers under the final split; None while a stage on its

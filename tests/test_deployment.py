@@ -330,7 +330,8 @@ def test_a_stage_that_declares_nothing_gets_its_share_once_live_measurement_find
     monitor = LiveMonitor(make_plan([worker], 256, "cap"), step_peaks=True, resplit=planning[1].with_live_excess)
     peaks = InStepPeaks(owners={}, undeclared={"": 200 * row}, peak_bytes=200 * row, caches=200, updates=8,
                         seconds=0.0)
-    update = monitor.observe([WorkerSample(rank=0, owners=[], seconds=0.0, step=peaks)], running=200,
+    kept = [{"owner": "", "bytes": 200 * row}]  # the stage model's per-request caches, after the step
+    update = monitor.observe([WorkerSample(rank=0, owners=kept, seconds=0.0, step=peaks)], running=200,
                              finished_unfreed=0, completed=0, now=0.0)
     assert [f.kind for f in update.findings] == ["undeclared", "limit-lowered"]
     assert update.lowered_limit == 4 * MiB // row == 227

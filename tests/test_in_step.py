@@ -14,7 +14,7 @@ import torch
 from audit_models import small_qwen2_config, tiny_lm
 from transformers import DynamicCache
 
-from kv_budget.collect.model import collect_model_local_kv_specs
+from kv_budget.collect.model import Collection, collect_model_local_kv_specs
 from kv_budget.declare.hf_config import spec_from_hf_config
 from kv_budget.declare.spec import RowDriver, Scope
 from kv_budget.plan.planner import budget_worker, headroom_override, make_plan
@@ -209,7 +209,10 @@ def test_without_step_peaks_a_per_step_owner_is_not_observable():
     assert update.findings == [] and monitor.state().ranks[0].owners[0].verdict == "not-observable"
 
 
-def test_undeclared_bytes_count_per_sequence_as_excess_under_cap():
+def test_what_an_undeclared_module_adds_inside_a_step_is_charged_fixed_beside_per_sequence_caches():
+    """The declared talker scales with sequences; the root's caches built
+    inside the step, kept by nobody after it, are charged once at their
+    largest (as a decode group's working copies are), not per sequence."""
     model = Model(StepTalker())
     plan = _plan(model, headroom=40 * ROW_BYTES)
     assert plan.effective_max_num_seqs == 40
@@ -218,10 +221,25 @@ def test_undeclared_bytes_count_per_sequence_as_excess_under_cap():
     update = monitor.observe(_sample(peaks), running=1, finished_unfreed=0, completed=0, now=0.0)
     assert [f.kind for f in update.findings] == ["undeclared", "limit-lowered"]
     assert "module '<root>' held" in update.findings[0].message
-    assert monitor.rank_per_seq_bytes(0) == ROW_BYTES + 2 * ROW_BYTES
-    assert update.lowered_limit == 40 // 3
+    assert (monitor.rank_per_seq_bytes(0), monitor.rank_fixed_bytes(0)) == (ROW_BYTES, 2 * ROW_BYTES)
+    assert update.lowered_limit == (40 - 2) * ROW_BYTES // ROW_BYTES
     verdicts = {o.owner: o.verdict for o in monitor.state().ranks[0].owners}
     assert verdicts == {"talker": "ok", "": "undeclared"}
+
+
+def test_when_nothing_else_scales_what_an_undeclared_module_adds_inside_a_step_is_charged_per_sequence():
+    """With no declared and no kept per-sequence bytes, a per-step
+    allocation nobody declared is the only figure: charged per sequence
+    held, so it is never left unbounded."""
+    model = Model(StepTalker())
+    worker = budget_worker(Collection(specs=(), failures=()), headroom_override(40 * ROW_BYTES), max_num_seqs=64)
+    monitor = LiveMonitor(make_plan([worker], 64, "cap"), step_peaks=True)
+    _, peaks = _watch(model, [], ((1,), {"undeclared": True}))
+    update = monitor.observe(_sample(peaks), running=2, finished_unfreed=0, completed=0, now=0.0)
+    assert set(peaks.undeclared) == {"", "talker"}  # nothing declares here: the talker's step caches too
+    per_seq = sum(-(-added // 2) for added in peaks.undeclared.values())  # each holder's, per sequence held
+    assert (monitor.rank_per_seq_bytes(0), monitor.rank_fixed_bytes(0)) == (per_seq, 0)
+    assert update.lowered_limit == 40 * ROW_BYTES // per_seq
 
 
 def test_a_short_reservation_lowers_the_live_limit_to_what_fits_the_reserved_bytes():

@@ -168,13 +168,17 @@ def test_an_undeclared_holder_is_measured_after_the_step_once_a_window_met_it():
     assert HeldBytes(stage, []).measure() == {}  # no declaring owner: nothing to sample by declarations
     window = InStepPeaks(owners={}, undeclared={"talker": ROW_BYTES}, peak_bytes=ROW_BYTES, caches=1, updates=1,
                          seconds=0.0)  # a step that updated one request's cache
-    scanner = HeldBytes(stage, [], monitor.undeclared_holders().get(0, []))
-    assert scanner.measure() == {}  # not met yet
+    assert monitor.undeclared_holders() == {0: []}  # not met yet
+    # The worker measures the holders its window met right after that step (the engine glue does).
+    scanner = HeldBytes(stage, [], list(window.undeclared))
+    assert scanner.measure() == {"talker": 4 * ROW_BYTES}
     untouched = {"talker": 3 * ROW_BYTES}  # the other three, kept all along
-    first = monitor.observe([WorkerSample(rank=0, owners=[], seconds=0.0, step=window.with_untouched(untouched))],
+    first = monitor.observe([WorkerSample(rank=0, owners=[{"owner": "talker", "bytes": 4 * ROW_BYTES}], seconds=0.0,
+                                          step=window.with_untouched(untouched))],
                             running=4, finished_unfreed=0, completed=0, now=0.0)
     assert [f.kind for f in first.findings] == ["undeclared", "limit-lowered"]
-    assert first.findings[0].bytes == ROW_BYTES and first.lowered_limit == 10
+    assert first.findings[0].bytes == 4 * ROW_BYTES and first.lowered_limit == 10
+    assert "5,120 B per sequence kept + 0 B added inside the step" in first.findings[0].message
     scanner = HeldBytes(stage, [], monitor.undeclared_holders()[0])
     for i in range(4, 8):
         stage.talker.start(f"r{i}")

@@ -106,7 +106,10 @@ def measure_on_worker(worker: Any, owners_by_rank: dict[int, list[str]],
     tracker = cache_updates.stop()
     window = tracker.end() if tracker is not None else None
     try:
-        scanner = _per_model(_scanners, HeldBytes, model, owners, (holders_by_rank or {}).get(worker.rank, []))
+        # The holders this window met are measured after the step at once: what they keep between
+        # steps is their per-sequence part, what the step added on top is not.
+        holders = [*(holders_by_rank or {}).get(worker.rank, []), *(window.undeclared if window is not None else ())]
+        scanner = _per_model(_scanners, HeldBytes, model, owners, list(dict.fromkeys(holders)))
         held, untouched = scanner.measure_apart(tracker.touched() if tracker is not None else set())
         result["owners"] = [{"owner": owner, "bytes": size} for owner, size in held.items()]
         if window is not None and window.error is not None:
@@ -170,12 +173,12 @@ class LiveHook:
         """The CPU time opening them took (the engine core's and the slowest worker's), added to the sample's cost."""
         self.write_status()
 
-    def _resplit(self, excess_per_seq_bytes: int) -> list[WorkerBudget] | None:
+    def _resplit(self, per_seq_bytes: int, fixed_bytes: int) -> list[WorkerBudget] | None:
         """The monitor's :data:`~kv_budget.watch.live.Resplit`: this stage's
         measured excess into the deployment's record, its workers' room back.
         A record that cannot be read logs one warning and keeps the room."""
         try:
-            placed = self.planning.with_live_excess(excess_per_seq_bytes)
+            placed = self.planning.with_live_excess(per_seq_bytes, fixed_bytes)
         except DeploymentError as exc:
             logger.warning("kv-budget: live: %s; %s keeps its current room and stops re-splitting", exc,
                            self.planning.stage.label())

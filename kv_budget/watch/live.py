@@ -99,9 +99,10 @@ flag a model whose first requests take a path without the cache."""
 
 Verdict = Literal["ok", "under-declared", "undeclared", "declared-but-absent", "leak", "not-observable", "idle"]
 
-Resplit = Callable[[int], "list[WorkerBudget] | None"]
-"""A vLLM-Omni stage's re-split: given the most bytes per sequence any of
-its workers measured beyond its declarations, the workers with the room the
+Resplit = Callable[[int, int], "list[WorkerBudget] | None"]
+"""A vLLM-Omni stage's re-split: given the most bytes per sequence, and the
+most fixed bytes, any of its workers measured beyond its declarations, the
+workers with the room the
 deployment gives them now (None: the record could not be read, keep what
 there is). Injected by the engine glue, so the monitor stays pure."""
 
@@ -306,6 +307,10 @@ class _OwnerTrack:
         self.peak = 0
         self.allowed = expectation.allowed_bytes(0)
         self.excess_per_seq = 0
+        self.excess_fixed = 0
+        """For an undeclared holder: the most a step added over what it keeps between steps."""
+        self.extra_per_seq = 0
+        """The same, per sequence held at that sample (charged so when nothing else scales with sequences)."""
         self.ever_held = False
         self.reported: set[str] = set()
         self.leaked = 0
@@ -455,15 +460,22 @@ class LiveMonitor:
             track.ever_held = track.ever_held or at_once > 0
             if not (self.held and at_once):
                 continue
-            excess = math.ceil(at_once / self.held)
-            if excess > track.excess_per_seq:
-                track.excess_per_seq = excess
+            # What it keeps between steps scales with the sequences held; what a step adds on top
+            # (rank_fixed_bytes says how that is charged) is kept at its largest, whole and per sequence.
+            per_seq = math.ceil(track.bytes / self.held)
+            fixed = max(at_once - track.bytes, 0)
+            extra = math.ceil(fixed / self.held)
+            if per_seq > track.excess_per_seq or fixed > track.excess_fixed or extra > track.extra_per_seq:
+                track.excess_per_seq = max(track.excess_per_seq, per_seq)
+                track.excess_fixed = max(track.excess_fixed, fixed)
+                track.extra_per_seq = max(track.extra_per_seq, extra)
                 self._excess_grew = True
                 where = "at once inside the step" if step is not None and at_once > track.bytes else "after the step"
-                found += track.report_once("undeclared", rank, excess, (
+                found += track.report_once("undeclared", rank, at_once, (
                     f"rank {rank} module {holder or '<root>'!r} held {at_once:,} B of transformers "
-                    f"caches {where} with {self.held} sequence(s) held, and declares none: "
-                    f"undeclared, {excess:,} B per sequence counted as excess"))
+                    f"caches {where} ({track.bytes:,} B kept between steps) with {self.held} sequence(s) held, "
+                    f"and declares none: undeclared, {track.excess_per_seq:,} B per sequence kept + "
+                    f"{track.excess_fixed:,} B added inside the step"))
         return found
 
     def undeclared_holders(self) -> dict[int, list[str]]:
@@ -526,8 +538,9 @@ class LiveMonitor:
         the room it gives each worker now; whether the room changed."""
         if self.resplit is None:
             return False
-        excess = max(self.rank_per_seq_bytes(rank) - worker.per_seq_bytes for rank, worker in self.workers.items())
-        placed = self.resplit(excess)
+        per_seq = max(self.rank_per_seq_bytes(rank) - worker.per_seq_bytes for rank, worker in self.workers.items())
+        fixed = max(self.rank_fixed_bytes(rank) - worker.uncharged_fixed_bytes for rank, worker in self.workers.items())
+        placed = self.resplit(per_seq, fixed)
         if placed is None:
             return False
         changed = False
@@ -537,11 +550,34 @@ class LiveMonitor:
                 changed = True
         return changed
 
-    def rank_per_seq_bytes(self, rank: int) -> int:
-        """Declared per-sequence bytes plus each owner's largest measured excess."""
-        worker = self.workers[rank]
+    def _scaling_bytes(self, rank: int) -> int:
+        """Declared per-sequence bytes plus each owner's largest excess and
+        what the undeclared holders keep per sequence between steps."""
         tracks = [*self.owners[rank].values(), *self.undeclared[rank].values()]
-        return worker.per_seq_bytes + sum(track.excess_per_seq for track in tracks)
+        return self.workers[rank].per_seq_bytes + sum(track.excess_per_seq for track in tracks)
+
+    def rank_per_seq_bytes(self, rank: int) -> int:
+        """The live per-sequence bytes (:meth:`rank_fixed_bytes` says where
+        what undeclared holders add inside a step goes)."""
+        scaling = self._scaling_bytes(rank)
+        if scaling:
+            return scaling
+        return sum(track.extra_per_seq for track in self.undeclared[rank].values())
+
+    def rank_fixed_bytes(self, rank: int) -> int:
+        """Uncharged fixed bytes, plus what undeclared holders add inside a
+        step over what they keep, at its largest, when something else scales
+        with sequences: a step's working copies of one decode group (Qwen3-TTS:
+        ``decode_batch_max_size`` rows) charged per sequence would read a
+        few sequences' step as a large per-sequence cost and hold the limit
+        far below what fits. When nothing else scales, those bytes are the
+        only figure there is and are charged per sequence instead
+        (:meth:`rank_per_seq_bytes`), so a per-step allocation nobody
+        declared is never left unbounded."""
+        fixed = self.workers[rank].uncharged_fixed_bytes
+        if self._scaling_bytes(rank):
+            fixed += sum(track.excess_fixed for track in self.undeclared[rank].values())
+        return fixed
 
     def _correct(self, new: list[Finding]) -> int | None:
         """The lower limit the samples call for, or None. Under ``warn``
@@ -549,7 +585,7 @@ class LiveMonitor:
         bounds = []
         for rank, worker in self.workers.items():
             bound = live_safe_max_num_seqs(
-                worker.headroom.bytes, worker.uncharged_fixed_bytes, self.rank_per_seq_bytes(rank))
+                worker.headroom.bytes, self.rank_fixed_bytes(rank), self.rank_per_seq_bytes(rank))
             if bound is not None:
                 bounds.append((bound, rank))
         if not bounds:
@@ -559,7 +595,7 @@ class LiveMonitor:
         room = "reserved" if self.plan.policy is Policy.RESERVE else "headroom"
         arithmetic = (
             f"rank {rank}: floor(({room} {worker.headroom.bytes:,} B - uncharged fixed "
-            f"{worker.uncharged_fixed_bytes:,} B) / live per-sequence {self.rank_per_seq_bytes(rank):,} B "
+            f"{self.rank_fixed_bytes(rank):,} B) / live per-sequence {self.rank_per_seq_bytes(rank):,} B "
             f"(declared {worker.per_seq_bytes:,} B)) = {bound}"
         )
         if self.plan.policy not in CORRECTING_POLICIES:
@@ -599,9 +635,9 @@ class LiveMonitor:
             ranks.append(RankLive(
                 rank=rank, bytes=self.bytes[rank], step_bytes=self.step_bytes[rank], peak_bytes=self.peak[rank],
                 peak_bytes_within_limit=self.peak_within_limit[rank], headroom_bytes=worker.headroom.bytes,
-                uncharged_fixed_bytes=worker.uncharged_fixed_bytes, declared_per_seq_bytes=worker.per_seq_bytes,
+                uncharged_fixed_bytes=self.rank_fixed_bytes(rank), declared_per_seq_bytes=worker.per_seq_bytes,
                 live_per_seq_bytes=per_seq,
-                safe_max_num_seqs=live_safe_max_num_seqs(worker.headroom.bytes, worker.uncharged_fixed_bytes, per_seq),
+                safe_max_num_seqs=live_safe_max_num_seqs(worker.headroom.bytes, self.rank_fixed_bytes(rank), per_seq),
                 owners=owners,
             ))
         return LiveState(
