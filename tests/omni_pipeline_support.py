@@ -23,12 +23,26 @@ from pathlib import Path
 import yaml
 
 from kv_budget.cli import main as kv_budget_main
+from kv_budget_demo.serving import ApiServer
 
 RUNNER = Path(__file__).with_name("omni_pipeline_run.py")
+SERVE_RUNNER = Path(__file__).with_name("omni_serve_run.py")
 MAX_NUM_SEQS = 256
 STAGE_INIT_TIMEOUT = 240
 """Seconds vLLM-Omni waits for one stage to become ready (a stage starts in
 about 15 s here, the first one of a run in about 35 s)."""
+
+
+@dataclass
+class OmniApiServer(ApiServer):
+    """``vllm serve MODEL --omni`` through vLLM-Omni's CLI (tests/omni_serve_run.py)."""
+
+    deploy: str = ""
+
+    def command(self) -> list[str]:
+        return [sys.executable, str(SERVE_RUNNER), "serve", self.model, "--omni",
+                "--deploy-config", self.deploy, "--host", "127.0.0.1", "--port", str(self.port),
+                "--stage-init-timeout", str(STAGE_INIT_TIMEOUT), *self.extra_args]
 
 
 def stage(stage_id: int, max_tokens: int, **settings) -> dict:

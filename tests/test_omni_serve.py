@@ -17,20 +17,15 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 import urllib.request
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 from engine_support import HEADROOM, PER_SEQ
-from omni_pipeline_support import write_deploy
+from omni_pipeline_support import OmniApiServer, write_deploy
 
-from kv_budget_demo.serving import ApiServer, send_completions
+from kv_budget_demo.serving import send_completions
 
 pytestmark = pytest.mark.omni_pipeline
-
-SERVE_RUNNER = Path(__file__).with_name("omni_serve_run.py")
 
 MAX_TOKENS = 8
 REQUESTS = 16
@@ -51,18 +46,6 @@ SPLIT_ONE = split_by_hand((PER_SEQ, STAGE1_PER_SEQ))
 """(59, 59): 96 MiB / (1,114,112 + 589,824) B, each share in proportion."""
 SPLIT_TWO = split_by_hand((PER_SEQ, PER_SEQ))
 """(45, 45): half of 96 MiB each, over 1,114,112 B."""
-
-
-@dataclass
-class OmniApiServer(ApiServer):
-    """``vllm serve MODEL --omni`` through vLLM-Omni's CLI (tests/omni_serve_run.py)."""
-
-    deploy: str = ""
-
-    def command(self) -> list[str]:
-        return [sys.executable, str(SERVE_RUNNER), "serve", self.model, "--omni",
-                "--deploy-config", self.deploy, "--host", "127.0.0.1", "--port", str(self.port),
-                "--stage-init-timeout", "240", *self.extra_args]
 
 
 UNQUALIFIED = "talker/postnet_step_kv:physical_capacity_positions=64"

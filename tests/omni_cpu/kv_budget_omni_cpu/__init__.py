@@ -21,6 +21,9 @@ replaces and why in its docstring:
   the tests only): a small Qwen3-TTS checkpoint for vLLM-Omni's own
   ``qwen3_tts`` pipeline, and vLLM-Omni's own ``deploy/qwen3_tts.yaml``
   with what this machine needs changed, each change with its reason;
+* :mod:`.torchaudio_melscale`: a pure-torch ``melscale_fbanks`` served
+  as torchaudio's (vLLM-Omni's speaker encoder needs it for voice clones;
+  no torchaudio is built for this torch);
 * :mod:`.qwen3_tts_probe` (switched on by environment variables): the
   test's own count of what the code2wav stage holds, and the real
   CUDA-graph wrapper attached so its decoder declares off CUDA;

@@ -19,16 +19,20 @@ hands that module out under the torchvision module's name, and only while
 torchvision cannot be found (with a torchvision installed the real module is
 imported, untouched).
 
-**torchaudio, answered by a module that refuses every use**
+**torchaudio, answered by a module that refuses every use but one**
 (:class:`_AbsentTorchaudio`). What it replaces: the module-level
 ``import torchaudio`` and ``from torchaudio.functional import ...`` of
 vLLM-Omni's ``entrypoints/openai/audio_utils_mixin.py`` and
-``utils/audio.py``, which its API server (``vllm serve --omni``) imports. Why: torchaudio has no build for
-torch 2.13.0+cpu (the newest is 2.11), and the text pipelines served here
-never reach vLLM-Omni's audio paths. Every name it hands out is a function
-that raises ImportError saying so, so an audio path that did run would fail
-loudly;
-with a torchaudio installed the real one is imported, untouched.
+``utils/audio.py``, which its API server (``vllm serve --omni``) imports.
+Why: torchaudio has no build for torch 2.13.0+cpu (the newest is 2.11).
+Every name it hands out is a function that raises ImportError saying so, so
+an audio path that did run would fail loudly, except the names of
+:data:`SERVED`: ``torchaudio.functional.melscale_fbanks``, which
+Qwen3-TTS's voice clone (Base) calls for every reference audio's speaker
+embedding (``utils/audio.py:41``), is answered by the plain-torch
+:func:`kv_budget_omni_cpu.torchaudio_melscale.melscale_fbanks` (its
+docstring says what it computes and why). With a torchaudio installed the
+real one is imported, untouched, and nothing here is served.
 
 Both have to be in place before anything imports vLLM-Omni, in every process
 of the venv (the driver, each stage's engine core, vLLM's model-inspection
@@ -68,9 +72,14 @@ class _TorchvisionFreeAlias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         """Nothing to run: :data:`SOURCE` ran when it was imported."""
 
 
+SERVED = {"torchaudio.functional": {"melscale_fbanks": "kv_budget_omni_cpu.torchaudio_melscale"}}
+"""Names of the absent torchaudio that are answered after all: module -> name -> the module serving it."""
+
+
 class _AbsentTorchaudio(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Answers ``torchaudio`` and its submodules with modules whose every
-    public name is a function that raises ImportError when called."""
+    public name is a function that raises ImportError when called, except
+    the names of :data:`SERVED`."""
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname.split(".")[0] != "torchaudio" or _installed("torchaudio"):
@@ -80,10 +89,15 @@ class _AbsentTorchaudio(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def create_module(self, spec):
         module = types.ModuleType(spec.name, "kv_budget_omni_cpu: torchaudio is not installed (no build for this torch)")
         module.__path__ = []  # a package: ``from torchaudio.functional import ...`` finds its submodule here
+        served = SERVED.get(spec.name, {})
 
         def __getattr__(name):
             if name.startswith("__"):  # import machinery probing (__file__, __spec__...): a plain module
                 raise AttributeError(name)
+            if name in served:
+                return getattr(importlib.import_module(served[name]), name)
+            if f"{spec.name}.{name}" in SERVED:  # ``torchaudio.functional.melscale_fbanks`` after ``import torchaudio``
+                return importlib.import_module(f"{spec.name}.{name}")
             return _refusing(f"{spec.name}.{name}")
 
         module.__getattr__ = __getattr__
@@ -97,7 +111,7 @@ def _refusing(qualified: str):
     def absent(*args, **kwargs):
         raise ImportError(
             f"{qualified}: torchaudio has no build for this torch; kv_budget_omni_cpu (test support) answers only "
-            "vLLM-Omni's module-level imports, and its audio paths never run here"
+            "vLLM-Omni's module-level imports (and serves melscale_fbanks), and its other audio paths never run here"
         )
 
     absent.__qualname__ = qualified

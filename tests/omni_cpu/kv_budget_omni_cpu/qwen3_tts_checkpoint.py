@@ -1,19 +1,31 @@
 """Test support: a small Qwen3-TTS checkpoint for vLLM-Omni 0.30.0's own Qwen3-TTS pipeline.
 
 Test support, not vLLM-Omni code and not part of kv-budget. What it
-replaces: a real Qwen3-TTS checkpoint (``Qwen3-TTS-12Hz-*-CustomVoice``,
-gigabytes, not on this machine). Why it is shaped like this: the pipeline
-that serves it (talker stage 0, code2wav stage 1) is vLLM-Omni's own, so
-everything it reads is laid out as the real checkpoint lays it out, only
-narrower:
+replaces: a real Qwen3-TTS checkpoint (``Qwen3-TTS-12Hz-*-CustomVoice`` or
+``-Base``, gigabytes, not on this machine). Why it is shaped like this: the
+pipeline that serves it (talker stage 0, code2wav stage 1) is vLLM-Omni's
+own, so everything it reads is laid out as the real checkpoint lays it out,
+only narrower:
 
 * ``config.json``: ``model_type: qwen3_tts`` (so vLLM-Omni picks its own
   ``qwen3_tts`` pipeline and deploy), the real architecture name, a
   ``talker_config`` with the real codec vocabulary (3072 ids, end of speech
   2150, the real think/pad/bos ids, language and speaker tables), M-RoPE
   with an interleaved section as the real talker has, and a code predictor;
-  a ``speaker_encoder_config`` (its weights are absent, as in a CustomVoice
-  checkpoint; the talker keeps its own initialisation then).
+  a ``speaker_encoder_config``.
+* which tasks it serves (``tts_model_type``, see
+  :func:`write_qwen3_tts_checkpoint`): by default **both** preset voices
+  (CustomVoice: the ``spk_id`` table) and voice clones (Base: a reference
+  audio and its text, the talker encoding the audio into reference codes
+  and a speaker embedding). A real checkpoint is one or the other and says
+  so in ``tts_model_type``, which vLLM-Omni's speech endpoint reads as the
+  only task it accepts (``tts_adapters/qwen3_tts.py``, ``_get_model_variant``:
+  any other ``task_type`` is refused); without the field (a metadata-less
+  re-export, which that function handles by the checkpoint's path, and none
+  of whose components may then end in ``base``, ``customvoice`` or
+  ``voicedesign``) it accepts every task, and the model code reads the field
+  nowhere else. ``"custom_voice"`` and ``"base"`` write the real field and
+  lay the checkpoint out as that variant ships.
 * a byte-level text tokenizer built with ``tokenizers`` (``tokenizer.json``)
   whose chat-template pieces ``<|im_start|>``, ``assistant``, ``\\n`` and the
   TTS special tokens are one token each, as the talker's prompt builder
@@ -21,14 +33,34 @@ narrower:
 * ``model.safetensors``: random talker weights under the real checkpoint's
   names (``talker.model.*``, ``talker.codec_head``, ``talker.text_projection``,
   ``talker.code_predictor.*``), loaded by the talker's own ``load_weights``
-  (q/k/v and gate/up as separate shards, as HF ships them). The code2wav
-  stage's loader also opens the root weights (it drains them and reads
-  ``speech_tokenizer/``): this file is what it finds.
+  (q/k/v and gate/up as separate shards, as HF ships them); and, where
+  voice clones are served (as a Base checkpoint ships them), the ECAPA-TDNN
+  speaker encoder's (``speaker_encoder.*``), saved from vLLM-Omni's own
+  ``Qwen3TTSSpeakerEncoder`` built small and seeded (a CustomVoice checkpoint
+  has none; the talker then keeps its own unseeded initialisation). The
+  code2wav stage's loader also opens the root weights (it drains them and
+  reads ``speech_tokenizer/``): this file is what it finds.
+* **the talker ends speech as soon as it may** (:data:`EOS_CHANNEL`): every
+  codec embedding carries +1 on hidden channel 0 (a constant channel, as
+  trained transformers grow), so the talker's last hidden state points
+  along it at every step, and ``talker.codec_head``'s end-of-speech row
+  reads it with weight :data:`EOS_WEIGHT`: end of speech wins sampling
+  (p > 0.99999 at the deploy's temperature 0.9) wherever the sampler allows
+  it, i.e. once ``min_tokens`` codec frames exist. Why: vLLM-Omni's endpoint
+  refuses a voice clone whose talker stopped on its token budget
+  (``Qwen3TTSAdapter.validate_generation``: ``finish_reason`` ``length`` is
+  "incomplete", HTTP 500 after one retry), and random weights stop at a
+  random frame; so a clone asks ``max_new_tokens`` = the deploy's fixed
+  frames + 1 and ends, with ``finish_reason`` ``stop``, after exactly those
+  frames (the end-of-speech step carries no codec frame). Preset voices,
+  whose budget equals ``min_tokens`` in the deploy, never reach the token.
 * ``speech_tokenizer/``: vLLM-Omni's own ``Qwen3TTSTokenizerV2Config``
   (a small Mimi encoder, the code2wav decoder with the real
   ``sliding_window`` 72), a feature-extractor config as Mimi's, and weights
   saved from vLLM-Omni's own freshly built ``Qwen3TTSTokenizerV2Encoder`` and
-  ``Qwen3TTSTokenizerV2Decoder`` (``encoder.*``, ``decoder.*``).
+  ``Qwen3TTSTokenizerV2Decoder`` (``encoder.*``, ``decoder.*``), the
+  encoder's vector-quantiser codebooks seeded random (Mimi initialises them
+  to zeros, which would encode every reference into code 0).
 
 Widths (each one the smallest that keeps the real structure):
 
@@ -41,6 +73,19 @@ Widths (each one the smallest that keeps the real structure):
 * decoder (code2wav's model-local KV, never vLLM's pool): the geometry
   constants below, which are those of ``peers/vllm_omni/qwen3_tts.py`` (the
   single-stage audit of the same decoder) so figures compare.
+* encoder (reference audio to codes, voice clones only): Mimi's structure
+  with strides 8, 5, 4 and its own downsampling by 2, i.e. one frame per
+  :data:`ENCODE_DOWNSAMPLE` (320) samples, :data:`ENCODER_FRAME_RATE` 75 Hz
+  at 24 kHz (real: 12.5 Hz, strides 8, 6, 5, 4). Why: the speech endpoint
+  refuses references shorter than 1 s, and the decoder keeps at most the
+  last ``codec_left_context_frames`` (72) reference frames; at 75 Hz the
+  shortest reference (1 s, :data:`REFERENCE_FRAMES_PER_SECOND`) gives 75
+  frames, past that bound as a real 6 s reference is, while the talker's
+  prompt stays short (about 90 positions) and a request body small. A
+  reference must be at 24 kHz: resampling needs torchaudio.
+* speaker encoder (voice clones only): ECAPA-TDNN channels 32 (real: 512,
+  1536 for the aggregation), the real kernel sizes and dilations, embedding
+  width the talker's hidden 64 (the prompt builder requires it).
 
 Deterministic: every tensor comes from a seeded generator, so two calls
 write byte-identical weights.
@@ -56,7 +101,9 @@ import torch
 __all__ = [
     "DECODER_LAYERS", "DECODER_KV_HEADS", "DECODER_HEAD_DIM", "DECODER_WINDOW", "DECODER_DTYPE",
     "NUM_CODE_GROUPS", "CODEBOOK_SIZE", "CODEC_EOS", "SPEAKERS", "DEFAULT_SPEAKER", "SAMPLES_PER_FRAME",
-    "OUTPUT_SAMPLE_RATE", "SEED", "TALKER_HEAD_DIM", "write_qwen3_tts_checkpoint", "decoder_bytes_per_position_row",
+    "OUTPUT_SAMPLE_RATE", "SEED", "TALKER_HEAD_DIM", "ENCODE_DOWNSAMPLE", "ENCODER_FRAME_RATE",
+    "REFERENCE_FRAMES_PER_SECOND", "EOS_CHANNEL", "EOS_WEIGHT", "TTS_MODEL_TYPES",
+    "write_qwen3_tts_checkpoint", "decoder_bytes_per_position_row", "reference_frames",
 ]
 
 SEED = 0
@@ -99,13 +146,17 @@ _DECODER_CONFIG = dict(
     intermediate_size=64,
 )
 
-# Mimi encoder: ratios 4*4 then Mimi's own downsample by 2 (frame_rate =
-# 24000 / 16 / 2), so its frames are SAMPLES_PER_FRAME * 2 samples.
+# Mimi encoder: strides 8*5*4 then Mimi's own downsample by 2
+# (frame_rate = 24000 / 160 / 2 = 75 Hz): one frame per 320 samples.
+ENCODE_DOWNSAMPLE = 320
+ENCODER_FRAME_RATE = OUTPUT_SAMPLE_RATE / ENCODE_DOWNSAMPLE
+REFERENCE_FRAMES_PER_SECOND = int(ENCODER_FRAME_RATE)
+"""Reference codes per second of 24 kHz reference audio (75)."""
 _ENCODER_CONFIG = dict(
     sampling_rate=OUTPUT_SAMPLE_RATE,
     hidden_size=32,
     num_filters=8,
-    upsampling_ratios=[4, 4],
+    upsampling_ratios=[8, 5, 4],
     codebook_size=CODEBOOK_SIZE,
     codebook_dim=16,
     vector_quantization_hidden_dimension=16,
@@ -118,9 +169,8 @@ _ENCODER_CONFIG = dict(
     num_key_value_heads=2,
     head_dim=16,
     sliding_window=250,
-    frame_rate=OUTPUT_SAMPLE_RATE / 32,
+    frame_rate=ENCODER_FRAME_RATE,
 )
-_ENCODE_DOWNSAMPLE = 32
 
 # ---- talker (stage 0, vLLM's paged KV) ----
 TALKER_LAYERS = 2
@@ -131,6 +181,27 @@ TALKER_HEAD_DIM = 32
 TALKER_INTERMEDIATE = 128
 TALKER_VOCAB = 3072
 CODE_PREDICTOR_LAYERS = 1
+EOS_CHANNEL = 0
+"""The talker's hidden channel every codec embedding sets to +1."""
+EOS_WEIGHT = 2.0
+"""``talker.codec_head``'s end-of-speech row on :data:`EOS_CHANNEL` (its other
+rows and channels: N(0, 0.02)). The final RMSNorm makes that channel about
+sqrt(64) = 8, so end of speech scores about 16 against about 0.2 for any code."""
+
+TTS_MODEL_TYPES = (None, "custom_voice", "base")
+"""``tts_model_type`` values :func:`write_qwen3_tts_checkpoint` writes (None: the field is left out)."""
+
+_SPEAKER_ENCODER_CONFIG = {
+    "mel_dim": 128,
+    "enc_dim": TALKER_HIDDEN,
+    "enc_channels": [32, 32, 32, 32, 96],
+    "enc_kernel_sizes": [5, 3, 3, 3, 1],
+    "enc_dilations": [1, 2, 3, 4, 1],
+    "enc_attention_channels": 16,
+    "enc_res2net_scale": 4,
+    "enc_se_channels": 16,
+    "sample_rate": OUTPUT_SAMPLE_RATE,
+}
 
 # ---- text tokenizer: 256 byte tokens, then the special and template tokens ----
 _SPECIAL = [
@@ -155,6 +226,12 @@ _CHAT_TEMPLATE = (
 )
 
 
+def reference_frames(samples: int) -> int:
+    """Reference codes the talker's encoder makes of ``samples`` samples at 24 kHz
+    (``ceil(samples / 320)``, as ``_encode_ref_audio_batch`` cuts them)."""
+    return -(-samples // ENCODE_DOWNSAMPLE)
+
+
 def decoder_bytes_per_position_row() -> int:
     """K and V bytes of one position of one row across the decoder's layers:
     2 x layers x KV heads x head_dim x dtype size (from the constants, never measured)."""
@@ -162,7 +239,7 @@ def decoder_bytes_per_position_row() -> int:
     return 2 * DECODER_LAYERS * DECODER_KV_HEADS * DECODER_HEAD_DIM * element
 
 
-def _config() -> dict:
+def _config(tts_model_type: str | None) -> dict:
     talker = {
         "model_type": "qwen3_tts_talker",
         "vocab_size": TALKER_VOCAB,
@@ -191,8 +268,9 @@ def _config() -> dict:
         "codec_think_bos_id": 2156,
         "codec_think_eos_id": 2157,
         "codec_language_id": dict(_LANGUAGES),
-        "spk_id": dict(SPEAKERS),
-        "spk_is_dialect": {name: False for name in SPEAKERS},
+        # A Base checkpoint ships an empty speaker table.
+        "spk_id": {} if tts_model_type == "base" else dict(SPEAKERS),
+        "spk_is_dialect": {} if tts_model_type == "base" else {name: False for name in SPEAKERS},
         "code_predictor_config": {
             "model_type": "qwen3_tts_talker_code_predictor",
             "vocab_size": CODEBOOK_SIZE,
@@ -210,12 +288,12 @@ def _config() -> dict:
             "layer_types": ["full_attention"] * CODE_PREDICTOR_LAYERS,
         },
     }
-    return {
+    config = {
         "architectures": ["Qwen3TTSForConditionalGeneration"],
         "model_type": "qwen3_tts",
         "tokenizer_type": "qwen3_tts_tokenizer_12hz",
         "tts_model_size": "0b6",
-        "tts_model_type": "custom_voice",
+        "tts_model_type": tts_model_type,
         "torch_dtype": "bfloat16",
         "im_start_token_id": _TOKEN_ID["<|im_start|>"],
         "im_end_token_id": _TOKEN_ID["<|im_end|>"],
@@ -224,18 +302,11 @@ def _config() -> dict:
         "tts_eos_token_id": _TOKEN_ID["<|tts_text_eod|>"],
         "assistant_token_id": _TOKEN_ID["assistant"],
         "talker_config": talker,
-        "speaker_encoder_config": {
-            "mel_dim": 128,
-            "enc_dim": TALKER_HIDDEN,
-            "enc_channels": [32, 32, 32, 32, 96],
-            "enc_kernel_sizes": [5, 3, 3, 3, 1],
-            "enc_dilations": [1, 2, 3, 4, 1],
-            "enc_attention_channels": 16,
-            "enc_res2net_scale": 4,
-            "enc_se_channels": 16,
-            "sample_rate": OUTPUT_SAMPLE_RATE,
-        },
+        "speaker_encoder_config": dict(_SPEAKER_ENCODER_CONFIG),
     }
+    if tts_model_type is None:
+        del config["tts_model_type"]
+    return config
 
 
 def _write_tokenizer(directory: Path) -> None:
@@ -330,7 +401,21 @@ def _talker_weights(generator: torch.Generator) -> dict[str, torch.Tensor]:
     for g in range(NUM_CODE_GROUPS - 1):
         weights[f"talker.code_predictor.model.codec_embedding.{g}.weight"] = normal(CODEBOOK_SIZE, TALKER_HIDDEN)
         weights[f"talker.code_predictor.lm_head.{g}.weight"] = normal(CODEBOOK_SIZE, TALKER_HIDDEN)
+    # End of speech as soon as the sampler allows it (module docstring).
+    weights["talker.model.codec_embedding.weight"][:, EOS_CHANNEL] = 1.0
+    weights["talker.codec_head.weight"][CODEC_EOS, EOS_CHANNEL] = EOS_WEIGHT
     return weights
+
+
+def _speaker_encoder_weights() -> dict[str, torch.Tensor]:
+    """vLLM-Omni's own ECAPA-TDNN speaker encoder, built small and seeded (bfloat16, as a Base checkpoint ships it)."""
+    from vllm_omni.model_executor.models.qwen3_tts.configuration_qwen3_tts import Qwen3TTSSpeakerEncoderConfig
+    from vllm_omni.model_executor.models.qwen3_tts.qwen3_tts_talker import Qwen3TTSSpeakerEncoder
+
+    torch.manual_seed(SEED + 2)
+    encoder = Qwen3TTSSpeakerEncoder(Qwen3TTSSpeakerEncoderConfig(**_SPEAKER_ENCODER_CONFIG))
+    return {f"speaker_encoder.{k}": v.detach().to(torch.bfloat16).contiguous().clone()
+            for k, v in encoder.state_dict().items()}
 
 
 def _write_speech_tokenizer(directory: Path) -> None:
@@ -352,7 +437,7 @@ def _write_speech_tokenizer(directory: Path) -> None:
         input_sample_rate=OUTPUT_SAMPLE_RATE,
         output_sample_rate=OUTPUT_SAMPLE_RATE,
         decode_upsample_rate=SAMPLES_PER_FRAME,
-        encode_downsample_rate=_ENCODE_DOWNSAMPLE,
+        encode_downsample_rate=ENCODE_DOWNSAMPLE,
     )
     config.save_pretrained(str(directory))
     (directory / "preprocessor_config.json").write_text(json.dumps({
@@ -367,6 +452,12 @@ def _write_speech_tokenizer(directory: Path) -> None:
     }, indent=2))
     torch.manual_seed(SEED)
     encoder = Qwen3TTSTokenizerV2Encoder._from_config(config.encoder_config)
+    # Mimi's codebooks start as zeros (every frame would quantise to code 0):
+    # seeded centroids instead, as a trained codebook has distinct ones.
+    codebooks = torch.Generator().manual_seed(SEED + 3)
+    for name, buffer in sorted(encoder.named_buffers()):
+        if name.endswith(".embed_sum"):
+            buffer.copy_(torch.randn(buffer.shape, generator=codebooks))
     torch.manual_seed(SEED + 1)
     decoder = Qwen3TTSTokenizerV2Decoder._from_config(config.decoder_config)
     state = {f"encoder.{k}": v.detach().contiguous().clone() for k, v in encoder.state_dict().items()}
@@ -374,17 +465,32 @@ def _write_speech_tokenizer(directory: Path) -> None:
     save_file(state, str(directory / "model.safetensors"))
 
 
-def write_qwen3_tts_checkpoint(directory: str | Path) -> Path:
-    """Write the checkpoint into ``directory`` (created); returns its path."""
+def write_qwen3_tts_checkpoint(directory: str | Path, *, tts_model_type: str | None = None) -> Path:
+    """Write the checkpoint into ``directory`` (created); returns its path.
+
+    ``tts_model_type``: None (default) leaves the field out, so vLLM-Omni's
+    speech endpoint serves preset voices and voice clones from the one
+    checkpoint (speaker table and speaker-encoder weights both present;
+    no component of ``directory`` may then end in ``base``, ``customvoice``
+    or ``voicedesign``, which that endpoint would read as the task);
+    ``"custom_voice"`` writes a CustomVoice checkpoint (speaker table, no
+    speaker-encoder weights); ``"base"`` a Base one (empty speaker table,
+    speaker-encoder weights). Only the endpoint's admission differs: the
+    talker, code predictor, tokenizers and decoder are byte-identical."""
     from safetensors.torch import save_file
 
+    if tts_model_type not in TTS_MODEL_TYPES:
+        raise ValueError(f"tts_model_type must be one of {TTS_MODEL_TYPES}, not {tts_model_type!r}")
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
-    (root / "config.json").write_text(json.dumps(_config(), indent=2))
+    (root / "config.json").write_text(json.dumps(_config(tts_model_type), indent=2))
     (root / "generation_config.json").write_text(json.dumps({"do_sample": True}, indent=2))
     _write_tokenizer(root)
     generator = torch.Generator().manual_seed(SEED)
-    save_file(_talker_weights(generator), str(root / "model.safetensors"), metadata={"format": "pt"})
+    weights = _talker_weights(generator)
+    if tts_model_type != "custom_voice":
+        weights.update(_speaker_encoder_weights())
+    save_file(weights, str(root / "model.safetensors"), metadata={"format": "pt"})
     _write_speech_tokenizer(root / "speech_tokenizer")
     return root
 
@@ -392,4 +498,5 @@ def write_qwen3_tts_checkpoint(directory: str | Path) -> Path:
 if __name__ == "__main__":
     import sys
 
-    print(write_qwen3_tts_checkpoint(sys.argv[1] if len(sys.argv) > 1 else "qwen3-tts-small"))
+    print(write_qwen3_tts_checkpoint(sys.argv[1] if len(sys.argv) > 1 else "qwen3-tts-small",
+                                     tts_model_type=sys.argv[2] if len(sys.argv) > 2 else None))

@@ -24,7 +24,8 @@ of every layer of every ``DynamicCache``), at two moments:
 
 It writes ``tts-probe-<pid>.json`` after each forward: the peaks, the most
 requests kept at once, and per-row figures (bytes of one retained row, of
-one working-copy row) with the positions they hold.
+one working-copy row, of everything a decoder call holds beside the kept
+caches per row of its working copy) with the positions they hold.
 
 **The declaring wrapper** (:data:`DECLARE_ENV` = ``1``). What it replaces:
 vLLM-Omni's ``Qwen3TTSCode2Wav.load_weights`` calls
@@ -102,6 +103,7 @@ class _Count:
             "at_once_peak_bytes": 0, "at_once_peak_retained_bytes": 0, "at_once_peak_invocation_bytes": 0,
             "retained_row_bytes": [], "working_copy_row_bytes": [], "working_copy_rows_max": 0,
             "retained_row_positions": [], "working_copy_row_positions": [],
+            "at_once_invocation_row_bytes": [],
         }
         stage.decoder.pre_transformer.register_forward_hook(self.at_working_copy, with_kwargs=True)
 
@@ -163,6 +165,8 @@ class _Count:
         if rows:
             self._add("working_copy_row_bytes", copy_bytes // rows)
             self._add("working_copy_row_positions", copy_positions)
+        if rows:
+            self._add("at_once_invocation_row_bytes", invocation // rows)
         retained = self.retained(seen)
         if retained + invocation > f["at_once_peak_bytes"]:
             f["at_once_peak_bytes"] = retained + invocation
