@@ -134,6 +134,24 @@ class Declarer(torch.nn.Module):
         return list(self.declared)
 
 
+REQUEST_ROW_BYTES = 2 * 64 * 4 * 100
+"""One row of :class:`RequestDeclaringModel`'s declaration: K and V, head_dim 64, fp32, 100 positions."""
+
+
+class RequestDeclaringModel(torch.nn.Module):
+    """A model whose child ``talker`` declares one per-request cache of
+    :data:`REQUEST_ROW_BYTES` per row and holds nothing: what the startup
+    path plans from, without a cache to build."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from kv_budget.declare.spec import ModelLocalKVSpec
+
+        self.talker = Declarer([ModelLocalKVSpec(
+            name="kv", layers=1, kv_heads=1, head_dim=64, dtype=torch.float32, physical_capacity_positions=100,
+            capacity_source="test", scope="request", rows="max_num_seqs")])
+
+
 class BrokenDeclarer(torch.nn.Module):
     """A declarer with a bug: the audit must record it, not crash."""
 

@@ -87,3 +87,10 @@ def deploy_dir() -> Path:
         return omni_root() / "vllm_omni" / "deploy"
     except OmniFilesUnavailable as exc:
         pytest.skip(f"vLLM-Omni's files are unavailable: {exc}")
+
+
+@pytest.fixture(scope="session")
+def installed_root() -> Path:
+    """The directory holding the installed ``vllm`` package (skips where none is installed)."""
+    vllm = pytest.importorskip("vllm")
+    return Path(vllm.__file__).resolve().parent.parent

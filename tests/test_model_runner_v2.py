@@ -19,8 +19,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from audit_models import REQUEST_ROW_BYTES, RequestDeclaringModel
 
-from kv_budget.declare.spec import ModelLocalKVSpec
 from kv_budget.plan.planner import Decision
 from kv_budget.settings import ModelLocalKVSettings, Policy
 from kv_budget.startup import ModelLocalKVPlanningError, checked_results, plan_startup
@@ -36,15 +36,9 @@ from kv_budget.vllm.compat import (
 )
 from kv_budget.vllm.workers import budget_on_worker
 
-ROW = 2 * 64 * 4 * 100  # K and V, head_dim 64, fp32, 100 positions
+ROW = REQUEST_ROW_BYTES
 VLLM = {"vllm_version": "0.0.test", "vllm_distribution": "none", "vllm_support": "untested"}
 CHECKED_METHODS = ("load_model", "get_model", "execute_model")
-
-
-@pytest.fixture(scope="module")
-def installed_root() -> Path:
-    vllm = pytest.importorskip("vllm")
-    return Path(vllm.__file__).resolve().parent.parent
 
 
 # --- against vLLM's source -------------------------------------------------------
@@ -136,17 +130,6 @@ def test_a_missing_v2_runner_is_named_for_each_method_read(tmp_path):
 
 # --- the run-time check in the worker ------------------------------------------------
 
-class Talker(torch.nn.Module):
-    def model_local_kv_specs(self):
-        return [ModelLocalKVSpec(name="kv", layers=1, kv_heads=1, head_dim=64, dtype=torch.float32,
-                                 physical_capacity_positions=100, capacity_source="test", scope="request",
-                                 rows="max_num_seqs")]
-
-
-class Model(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.talker = Talker()
 
 
 class Wrapper:
@@ -213,7 +196,7 @@ def test_a_v1_runner_is_left_to_the_v1_path(v2_runner_classes):
 def test_a_v2_runner_holding_its_model_is_planned_on(v2_runner_classes, which):
     """The real V2 ``get_model`` (``return self.model``) agrees with the
     attribute, and the model's declarations are what the plan caps on."""
-    model = Model()
+    model = RequestDeclaringModel()
     worker = _worker(_runner(v2_runner_classes[which], model=model))
     assert model_runner_v2_problem(worker) is None
     result = budget_on_worker(worker, _settings(), 256, 1)
@@ -226,7 +209,7 @@ def test_a_v2_runner_holding_its_model_is_planned_on(v2_runner_classes, which):
 @pytest.mark.vllm
 def test_a_wrapper_that_unwraps_to_the_model_is_accepted(v2_runner_classes):
     gpu, _ = v2_runner_classes
-    worker = _worker(_runner(gpu, model=Wrapper(Model())))
+    worker = _worker(_runner(gpu, model=Wrapper(RequestDeclaringModel())))
     assert model_runner_v2_problem(worker) is None
     assert budget_on_worker(worker, _settings(), 256, 1)["declarations"] == ["talker/kv"]
 
@@ -244,23 +227,23 @@ def test_what_the_runner_holds_is_named_when_it_is_not_the_model(v2_runner_class
     where = "vLLM's Model Runner V2 (vllm.v1.worker.gpu.model_runner.GPUModelRunner)"
     assert model_runner_v2_problem(_worker(_runner(gpu))) == (
         f"{where} keeps no model at worker.model_runner.model (none loaded?)")
-    assert model_runner_v2_problem(_worker(_runner(gpu, model=Opaque(Model())))) == (
+    assert model_runner_v2_problem(_worker(_runner(gpu, model=Opaque(RequestDeclaringModel())))) == (
         f"{where} keeps a Opaque at worker.model_runner.model, not a torch.nn.Module: kv-budget would find no "
         "declarations in it")
     assert model_runner_v2_problem(_worker(_runner(gpu, model=None))) == (
         f"{where} keeps a NoneType at worker.model_runner.model, not a torch.nn.Module: kv-budget would find no "
         "declarations in it")
     serving = type("OmniRunner", (ServesAnother, gpu), {"__module__": "vllm_omni.worker_v2.test"})
-    problem = model_runner_v2_problem(_worker(_runner(serving, model=torch.nn.Identity(), served=Model())))
+    problem = model_runner_v2_problem(_worker(_runner(serving, model=torch.nn.Identity(), served=RequestDeclaringModel())))
     assert problem == ("vLLM's Model Runner V2 (vllm_omni.worker_v2.test.OmniRunner) keeps its model at get_model() "
-                       "(Model), not worker.model_runner.model (Identity)")
+                       "(RequestDeclaringModel), not worker.model_runner.model (Identity)")
 
 
 @pytest.mark.vllm
 def test_a_broken_v2_source_refuses_even_a_runner_holding_a_model(v2_runner_classes, installed_root, tmp_path):
     gpu, _ = v2_runner_classes
     copy = _edited_copy(installed_root, tmp_path, _hand_out_another_model)
-    problem = model_runner_v2_problem(_worker(_runner(gpu, model=Model())), source=copy)
+    problem = model_runner_v2_problem(_worker(_runner(gpu, model=RequestDeclaringModel())), source=copy)
     assert problem.startswith(
         f"vLLM's Model Runner V2 (vllm.v1.worker.gpu.model_runner.GPUModelRunner) on vLLM {compat.vllm_version()} "
         "does not keep its model as kv-budget reads it: Model Runner V2 GPUModelRunner.get_model returns self.model")
@@ -274,7 +257,7 @@ def test_a_v2_worker_without_its_model_refuses_in_one_line(v2_runner_classes, po
     raises on it (under ``warn`` the startup hook catches this one and
     starts unprotected, as for any worker failure)."""
     gpu, _ = v2_runner_classes
-    results = [budget_on_worker(_worker(_runner(gpu, model=Model()), rank=0), _settings(policy=policy), 256, 1),
+    results = [budget_on_worker(_worker(_runner(gpu, model=RequestDeclaringModel()), rank=0), _settings(policy=policy), 256, 1),
                budget_on_worker(_worker(_runner(gpu), rank=1), _settings(policy=policy), 256, 1)]
     assert results[0]["failure"] is None and results[1]["budget"] is None
     with pytest.raises(ModelLocalKVPlanningError) as info:

@@ -10,8 +10,8 @@ import logging
 
 import pytest
 import torch
+from audit_models import REQUEST_ROW_BYTES, RequestDeclaringModel
 
-from kv_budget.declare.spec import ModelLocalKVSpec
 from kv_budget.plan.planner import Decision
 from kv_budget.settings import ModelLocalKVSettings, Policy
 from kv_budget.startup import (
@@ -23,26 +23,15 @@ from kv_budget.startup import (
     plan_startup,
 )
 
-ROW = 2 * 64 * 4 * 100  # K and V, head_dim 64, fp32, 100 positions
+ROW = REQUEST_ROW_BYTES
 VLLM = {"vllm_version": "0.0.test", "vllm_distribution": "none", "vllm_support": "untested"}
 
 
-class Talker(torch.nn.Module):
-    def model_local_kv_specs(self):
-        return [ModelLocalKVSpec(name="kv", layers=1, kv_heads=1, head_dim=64, dtype=torch.float32,
-                                 physical_capacity_positions=100, capacity_source="test", scope="request",
-                                 rows="max_num_seqs")]
-
-
-class Model(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.talker = Talker()
 
 
 def worker_result(rank=0, **settings):
     config = ModelLocalKVSettings(**{"headroom_bytes": 10 * ROW, "ledger_dir": "off", **settings})
-    return budget_loaded_model(Model(), rank, ("cpu", 0), config.model_dump(mode="json"), 256, 1)
+    return budget_loaded_model(RequestDeclaringModel(), rank, ("cpu", 0), config.model_dump(mode="json"), 256, 1)
 
 
 def test_a_worker_budgets_its_loaded_model_against_the_operators_headroom():

@@ -51,13 +51,6 @@ PATCHED_METHODS = (
 )
 
 
-@pytest.fixture(scope="module")
-def installed_root() -> Path:
-    """The directory holding the installed ``vllm`` package."""
-    vllm = pytest.importorskip("vllm")
-    return Path(vllm.__file__).resolve().parent.parent
-
-
 # --- the installed vLLM ------------------------------------------------------
 
 @pytest.mark.vllm
