@@ -189,6 +189,32 @@ def test_an_undeclared_holder_is_measured_after_the_step_once_a_window_met_it():
     assert monitor.state().ranks[0].bytes == 8 * ROW_BYTES and monitor.limit == headroom // ROW_BYTES
 
 
+def test_requests_parked_between_chunks_count_as_held():
+    """A vLLM-Omni async-chunk stage: of 8 requests whose caches are kept,
+    2 run and 6 wait for their next chunk out of ``running``. Per sequence,
+    the kept bytes are 8 requests' over 8, not over the 2 running (which
+    would read 4 rows per sequence and hold the limit a quarter of what
+    fits); the requests parked name the holders that keep state."""
+    stage = Stage(SilentTalker())
+    headroom = 10 * ROW_BYTES
+    monitor = LiveMonitor(plan_for(stage, headroom=headroom), step_peaks=True)
+    for i in range(8):
+        stage.talker.start(f"r{i}")
+    scanner = HeldBytes(stage, [], ["talker"])
+    window = InStepPeaks(owners={}, undeclared={"talker": ROW_BYTES}, peak_bytes=ROW_BYTES, caches=1, updates=1,
+                         seconds=0.0)
+    assert monitor.kept_by_undeclared() == []
+    update = monitor.observe(
+        [WorkerSample(rank=0, owners=[{"owner": "talker", "bytes": 8 * ROW_BYTES}], seconds=0.0,
+                      step=window.with_untouched({"talker": 7 * ROW_BYTES}))],
+        running=2, finished_unfreed=0, completed=0, now=0.0, waiting=0, parked=6)
+    assert scanner.measure() == {"talker": 8 * ROW_BYTES}
+    assert monitor.held == 8 and monitor.rank_per_seq_bytes(0) == ROW_BYTES
+    assert update.lowered_limit == headroom // ROW_BYTES == 10
+    assert monitor.kept_by_undeclared() == ["talker"]
+    assert monitor.state().ranks[0].peak_bytes_within_limit == 8 * ROW_BYTES  # 2 + 6 admitted, under 10
+
+
 def test_under_declaration_under_warn_is_reported_and_changes_nothing():
     stage = Stage(RequestTalker(declared_positions=HELD_POSITIONS // 2))
     plan = plan_for(stage, headroom=8 * ROW_BYTES, policy="warn", max_num_seqs=16)

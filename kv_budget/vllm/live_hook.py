@@ -48,6 +48,7 @@ from kv_budget.stage import Stage
 from kv_budget.startup import DeploymentPlanning, final_deployment_plan
 from kv_budget.vllm import cache_updates
 from kv_budget.vllm.compat import checked_vllm
+from kv_budget.vllm.omni_chunks import count_parked_in_scheduler, parked_requests, parks_requests
 from kv_budget.vllm.patching import patch_method
 from kv_budget.watch.live import WATCHED_POLICIES, LiveMonitor, WorkerSample
 from kv_budget.watch.status import STATUS_DIR_ENV, EngineStatus, write_status
@@ -160,6 +161,8 @@ class LiveHook:
         }
         self.deployment = planning.split if planning is not None else None
         """The stage's part of its vLLM-Omni deployment, for the status file."""
+        self.parks_requests = parks_requests(vllm_config)
+        """A vLLM-Omni async-chunk stage whose Scheduler may not count requests parked between chunks yet."""
         self.engine_index = int(getattr(core, "engine_index", 0) or 0)
         self.model = str(vllm_config.model_config.model)
         self.status_dir = os.environ.get(STATUS_DIR_ENV)
@@ -176,11 +179,13 @@ class LiveHook:
     def _resplit(self, per_seq_bytes: int, fixed_bytes: int) -> list[WorkerBudget] | None:
         """The monitor's :data:`~kv_budget.watch.live.Resplit`: this stage's
         measured excess into the deployment's record, its workers' room back.
-        A record that cannot be read logs one warning and keeps the room."""
+        A record that cannot be read or split logs one warning and keeps
+        the room: a sample must never take the engine down."""
         try:
             placed = self.planning.with_live_excess(per_seq_bytes, fixed_bytes)
-        except DeploymentError as exc:
-            logger.warning("kv-budget: live: %s; %s keeps its current room and stops re-splitting", exc,
+        except Exception as exc:  # noqa: BLE001 - DeploymentError, or a defect: the room stays as it is
+            why = str(exc) if isinstance(exc, DeploymentError) else f"the re-split failed: {type(exc).__name__}: {exc}"
+            logger.warning("kv-budget: live: %s; %s keeps its current room and stops re-splitting", why,
                            self.planning.stage.label())
             self.monitor.resplit = None
             return None
@@ -261,16 +266,22 @@ class LiveHook:
             WorkerSample(rank=r["rank"], owners=r["owners"], seconds=r["seconds"], step=r["step"] if watched else None)
             for r in results
         ]
+        parked = parked_requests(scheduler)
         update = self.monitor.observe(
             samples,
             running=len(scheduler.running),
             finished_unfreed=len(scheduler.finished_req_ids),
-            waiting=scheduler.get_num_unfinished_requests() - len(scheduler.running),
+            waiting=scheduler.get_num_unfinished_requests() - len(scheduler.running) - parked,
             completed=self.completed,
             now=now,
+            parked=parked,
         )
         for finding in update.findings:
             logger.warning("kv-budget: live: %s", finding.message)
+        if self.parks_requests and (kept := self.monitor.kept_by_undeclared()):
+            self.parks_requests = False  # one switch, one line
+            count_parked_in_scheduler(scheduler, self.monitor.plan.policy, kept,
+                                      self.stage.label() if self.stage else "this engine")
         if update.lowered_limit is not None:
             self.limit_applied = apply_limit(scheduler, update.lowered_limit)
             logger.warning(

@@ -411,7 +411,9 @@ def check_vllm_omni() -> str:
         raise UnsupportedVllmError(
             f"kv-budget supports vLLM-Omni {', '.join(SUPPORTED_VLLM_OMNI)}, found {version}: its settings paths, "
             "stage runtime and stat logger were read for those releases (docs/support.md)")
+    from vllm_omni.config.model import OmniModelConfig
     from vllm_omni.config.omni_config import VllmOmniConfig
+    from vllm_omni.core.sched.omni_generation_scheduler import OmniGenerationScheduler
     from vllm_omni.engine import stage_admission, stage_init_utils
     from vllm_omni.engine.stage_runtime import StageRuntime
     from vllm_omni.entrypoints import stage_utils
@@ -423,8 +425,12 @@ def check_vllm_omni() -> str:
               (OmniPrometheusStatLogger, "record"),
               # what the deployment's record reads, as vLLM-Omni's admission reads it
               (stage_admission, "graph_reserve_bytes"), (stage_admission, "_diffusion_utilization"),
-              (stage_init_utils, "parse_physical_device_ids"), (stage_utils, "resolve_stage_physical_devices")]
+              (stage_init_utils, "parse_physical_device_ids"), (stage_utils, "resolve_stage_physical_devices"),
+              # what counts requests parked between async chunks (kv_budget.vllm.omni_chunks)
+              (OmniGenerationScheduler, "_get_async_chunk_reserved_running_slots")]
     missing = [f"{getattr(owner, '__name__', owner)}.{name}" for owner, name in needed if not hasattr(owner, name)]
+    if "retains_state_across_chunks" not in getattr(OmniModelConfig, "__dataclass_fields__", {}):
+        missing.append("OmniModelConfig.retains_state_across_chunks")
     finalize = list(inspect.signature(StageRuntime._finalize_initialized_stages).parameters)
     if finalize[:2] != ["self", "stage_plans"]:
         missing.append(f"StageRuntime._finalize_initialized_stages(self, stage_plans, ...) (it takes {finalize})")

@@ -54,6 +54,7 @@ from kv_budget.vllm.compat import (
 )
 from kv_budget.vllm.live_hook import PendingSplit, start_live
 from kv_budget.vllm.omni import prefix_stage_logs, stage_of
+from kv_budget.vllm.omni_chunks import count_parked_at_startup
 from kv_budget.vllm.patching import patch_method
 from kv_budget.vllm.pool_hook import reservation_to_watch, reserved_in_pool
 from kv_budget.vllm.workers import collect_budgets, this_engine, vllm_figures
@@ -79,7 +80,9 @@ def plan_after_kv_caches(core: Any, vllm_config: Any) -> Plan | None:
         watched = reservation_to_watch(core.model_executor)
         if watched is not None:  # reserve acted on the pool already (pool_hook); watch what it reserved
             reservation, workers, overrides = watched
-            start_live(core, vllm_config, watch_plan(reservation, workers), settings, stage, overrides)
+            plan = watch_plan(reservation, workers)
+            count_parked_at_startup(vllm_config, plan, stage)
+            start_live(core, vllm_config, plan, settings, stage, overrides)
         return None
     require_no_scheduler_yet(core)
     scheduler_config = vllm_config.scheduler_config
@@ -103,6 +106,7 @@ def plan_after_kv_caches(core: Any, vllm_config: Any) -> Plan | None:
     plan = plan_startup(results, settings, configured, label, vllm_figures(), start, stage, deployment)
     if plan is None:
         return None
+    count_parked_at_startup(vllm_config, plan, stage)
     if plan.decision is Decision.CAPPED:
         _apply_cap(scheduler_config, plan)
     elif plan.decision is Decision.WARNED:

@@ -350,6 +350,8 @@ class LiveMonitor:
         self.samples = 0
         self.samples_while_running = 0
         self.running = 0
+        self.parked = 0
+        """vLLM-Omni async-chunk stages: requests out of ``running`` between chunks, caches kept."""
         self.held = 0
         self.waiting = 0
         self.completed = 0
@@ -392,15 +394,17 @@ class LiveMonitor:
 
     def observe(
         self, samples: list[WorkerSample], running: int, finished_unfreed: int, completed: int,
-        now: float, waiting: int = 0,
+        now: float, waiting: int = 0, parked: int = 0,
     ) -> LiveUpdate:
         """Take one sample of every worker. ``running``,
-        ``finished_unfreed`` and ``waiting`` are the scheduler's counts at
-        the sample; ``completed`` the requests completed so far."""
+        ``finished_unfreed``, ``waiting`` and ``parked`` (vLLM-Omni:
+        requests out of ``running`` between async chunks, their caches
+        kept) are the scheduler's counts at the sample; ``completed`` the
+        requests completed so far."""
         self._last_sample_at = now
         self.samples += 1
-        self.running, self.completed, self.waiting = running, completed, waiting
-        self.held = running + finished_unfreed
+        self.running, self.parked, self.completed, self.waiting = running, parked, completed, waiting
+        self.held = running + parked + finished_unfreed
         if running:
             self.samples_while_running += 1
         new: list[Finding] = []
@@ -434,7 +438,7 @@ class LiveMonitor:
             self.step_bytes[rank] = step.peak_bytes
             at_once = max(total, step.peak_bytes)
         self.peak[rank] = max(self.peak[rank], at_once)
-        if self.running <= self.limit:
+        if self.running + self.parked <= self.limit:
             self.peak_within_limit[rank] = max(self.peak_within_limit[rank], at_once)
         return found
 
@@ -477,6 +481,12 @@ class LiveMonitor:
                     f"and declares none: undeclared, {track.excess_per_seq:,} B per sequence kept + "
                     f"{track.excess_fixed:,} B added inside the step"))
         return found
+
+    def kept_by_undeclared(self) -> list[str]:
+        """The modules that declare nothing and kept caches between steps
+        while sequences were held: per-request state."""
+        return list(dict.fromkeys(
+            holder for tracks in self.undeclared.values() for holder, track in tracks.items() if track.excess_per_seq))
 
     def undeclared_holders(self) -> dict[int, list[str]]:
         """Per rank, the modules that declare nothing and were seen holding
