@@ -118,12 +118,13 @@ test-omni: $(OMNI_STAMP)
 
 venv-omni-serve: $(OMNI_SERVE_STAMP)
 
-# kv-budget inside vLLM-Omni 0.30.0's real orchestrator: one start per module
-# (a pipeline of one stage, one of two, two that must refuse, and a
-# `vllm serve --omni` API server), two modules at a time.
+# kv-budget inside vLLM-Omni 0.30.0's real orchestrator: one start per module (three for Qwen3-TTS)
+# (a pipeline of one stage, one of two, two that must refuse, a `vllm serve
+# --omni` API server, and vLLM-Omni's Qwen3-TTS), two modules at a time.
 # Longest first: two modules run at a time, each file on one worker.
-OMNI_PIPELINE_TESTS := tests/test_omni_pipeline_shared_device.py tests/test_omni_serve.py \
-	tests/test_omni_pipeline_refusals.py tests/test_omni_pipeline_two_stages.py tests/test_omni_pipeline.py
+OMNI_PIPELINE_TESTS := tests/test_omni_qwen3_tts_serve.py tests/test_omni_pipeline_shared_device.py \
+	tests/test_omni_serve.py tests/test_omni_pipeline_refusals.py tests/test_omni_pipeline_two_stages.py \
+	tests/test_omni_pipeline.py
 OMNI_PIPELINE_SUITE := -p no:cacheprovider $(PYTEST_SUITE) -m omni_pipeline $(OMNI_PIPELINE_TESTS)
 test-omni-pipeline: $(OMNI_SERVE_STAMP)
 	$(OMNI_SERVE_PY) -m pytest $(OMNI_PIPELINE_SUITE)

@@ -77,7 +77,14 @@ class PipelineRun:
     """The run's directory: its deploy file (``deploy.yaml``), reports, stats."""
 
     def failure(self) -> str:
-        return self.output[-4000:]
+        """The first error a process of the run logged (an engine core's
+        traceback is the root cause a driver's "EngineCore encountered an
+        issue" points above to), then the end of the output."""
+        lines = self.output.splitlines()
+        first = next((i for i, line in enumerate(lines) if "Traceback (most recent call last)" in line
+                      or " ERROR " in line), None)
+        head = "\n".join(lines[first:first + 40]) + "\n...\n" if first is not None else ""
+        return head + self.output[-3000:]
 
 
 def write_deploy(work: Path, pipeline: str, stages: list[dict] | int, max_tokens: int) -> Path:

@@ -127,6 +127,7 @@ def serve_tts(tmp_path_factory, name: str, flags: list[str], env: dict[str, str]
         served = send_speech(api.url, str(checkpoint), REQUESTS, clone_every=2)
         with urllib.request.urlopen(f"{api.url}/metrics", timeout=10) as response:
             metrics = response.read().decode()
+        (work / "metrics.txt").write_text(metrics)
         with urllib.request.urlopen(f"{api.url}/health", timeout=10) as response:
             alive = response.status == 200 and api._process.poll() is None
     finally:
@@ -204,7 +205,7 @@ def test_vllm_omnis_own_declarer_reports_the_decoders_caches_and_kv_budget_caps_
     report = stage1(declared)
     lines = {d["name"]: d for d in report["declarations"]}
     assert {"codec_decoder_request", "codec_decoder_working_copy"} <= set(lines), report["declarations"]
-    assert all(not d.get("supplied") for d in lines.values())
+    assert all(d["supplied_by"] is None for d in lines.values())  # the model's own
     assert report["decision"] == "capped" and report["effective_max_num_seqs"] == CAP < REQUESTS
     assert stage1(declared)["headroom_bytes"] == HEADROOM  # the only stage with caches gets the whole room
     assert "[stage 1 replica 0] kv-budget" in declared.log
@@ -222,13 +223,14 @@ def test_declared_bytes_per_row_equal_what_stage_1_held_per_row(declared):
     assert max(probe["at_once_invocation_row_bytes"]) == lines["codec_decoder_working_copy"]["bytes_per_row"], probe
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "measured: under a cap of 217, code2wav's _decoder_state_cache still held 256 requests' states at once: "
-    "async-chunk requests waiting for their next chunk keep their caches outside the scheduler's running "
-    "count, so lowering max_num_seqs does not bound them (open in issue 28)"))
 @pytest.mark.parametrize("regime", ["declared", "supplied"])
 def test_stage_1_held_fewer_than_256_and_stayed_within_the_headroom(regime, request):
+    """Requests parked between async chunks keep their caches outside the
+    Scheduler's ``running``: kv-budget has vLLM-Omni's scheduler count them
+    against the cap (``retains_state_across_chunks``), so the cap bounds
+    the requests holding caches, not only those running."""
     run = request.getfixturevalue(regime)
+    assert "retains_state_across_chunks False -> True" in run.log
     probe = run.probe
     assert probe["entries_peak"] <= CAP < REQUESTS, probe
     assert probe["at_once_peak_bytes"] <= HEADROOM, probe
@@ -239,29 +241,49 @@ def test_stage_1_held_fewer_than_256_and_stayed_within_the_headroom(regime, requ
 
 def test_supplied_declarations_give_the_same_cap(supplied, tmp_path):
     report = stage1(supplied)
-    assert all(d["supplied"] for d in report["declarations"]), report["declarations"]
+    assert all(d["supplied_by"].startswith("spec file") for d in report["declarations"]), report["declarations"]
     assert report["effective_max_num_seqs"] == CAP
     spec = declarations_as_spec(report, tmp_path / "supplied.json")
     assert plan_deploy_prints(supplied, spec) == CAP
 
 
-def test_with_nothing_declared_live_measurement_names_the_holder_and_lowers_the_limit(nothing):
+def stage1_live(run: TtsRun) -> dict:
+    """Stage 1's live figures as its engine last wrote them (its status file)."""
+    (path,) = (run.work / "status").glob("engine-*-stage1-replica0-*.json")
+    return json.loads(path.read_text())["live"]
+
+
+def test_with_nothing_declared_live_measurement_names_the_holders_and_limits_by_their_figures(nothing):
     assert stage1(nothing)["effective_max_num_seqs"] == REQUESTS  # nothing to plan at startup
     found = re.findall(r"\[stage 1 replica 0\] kv-budget: live: rank 0 module '([^']*)' held ([\d,]+) B of "
                        r"transformers caches .* and declares none: undeclared", nothing.log)
-    assert found, nothing.log[-3000:]
-    limit = series(nothing.metrics, "kv_budget:live_limit")
-    assert 1 < limit < REQUESTS, (limit, nothing.log[-3000:])
+    assert {"<root>", "decoder"} <= {holder for holder, _ in found}, nothing.log[-3000:]
+    assert "modules '<root>' keep caches between async chunks that nobody declared" in nothing.log
+    assert "retains_state_across_chunks False -> True" in nothing.log
+    live = stage1_live(nothing)
+    (rank,) = live["ranks"]
+    # The stage holding caches is given the room only it uses, not 0 B: what it adds inside a step
+    # comes off first, the rest is its share of what scales with sequences.
+    assert series(nothing.metrics, "kv_budget:deployment_room_bytes") == HEADROOM == rank["headroom_bytes"]
     share = series(nothing.metrics, "kv_budget:deployment_share_bytes")
-    assert share == HEADROOM  # the stage holding caches is given the room only it uses, not 0 B
+    assert share == HEADROOM - rank["uncharged_fixed_bytes"] and rank["live_per_seq_bytes"] > 0
+    bound = (HEADROOM - rank["uncharged_fixed_bytes"]) // rank["live_per_seq_bytes"]
+    assert live["limit"] == min(REQUESTS, bound) == series(nothing.metrics, "kv_budget:live_max_num_seqs"), live
 
 
-def test_the_live_figure_agrees_with_the_independent_count(nothing):
-    measured = series(nothing.metrics, "kv_budget:live_peak_bytes")
-    counted = nothing.probe["at_once_peak_bytes"]
-    assert abs(measured - counted) <= 0.01 * counted, (measured, nothing.probe)
+def test_with_nothing_declared_the_live_figures_agree_with_the_independent_count(nothing):
+    """What the stage model keeps between steps (its ``_decoder_state_cache``)
+    at its largest is the test's own count, to the byte: all 256 requests
+    are in the stage at once for a while, so a sample meets that plateau.
+    What a decoder call adds beside it is seen in the sampled steps only,
+    so it is never more than the count's largest."""
+    owners = {o["owner"]: o for o in stage1_live(nothing)["ranks"][0]["owners"]}
+    probe = nothing.probe
+    assert owners[""]["peak_bytes"] == probe["retained_peak_bytes"], (owners, probe)
+    assert 0 < owners["decoder"]["peak_bytes"] <= probe["at_once_peak_invocation_bytes"], (owners, probe)
+    assert series(nothing.metrics, "kv_budget:live_peak_bytes") <= probe["at_once_peak_bytes"]  # never over-counted
 
 
 def test_with_nothing_declared_the_load_completes_within_the_headroom(nothing):
     assert series(nothing.metrics, "kv_budget:live_peak_bytes_within_limit") <= HEADROOM
-    assert nothing.probe["at_once_peak_bytes"] <= HEADROOM + 64 * KiB, nothing.probe
+    assert nothing.probe["at_once_peak_bytes"] <= HEADROOM, nothing.probe
