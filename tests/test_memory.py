@@ -220,6 +220,38 @@ def test_cpu_sampler_honours_a_cgroup_v1_limit_on_a_hybrid_host(tmp_path):
                                     "memory.limit_in_bytes - memory.usage_in_bytes")
 
 
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_reclaimable_page_cache_is_not_counted_as_used(tmp_path, version):
+    """The kernel reclaims inactive file pages before it kills in a cgroup:
+    usage less ``inactive_file`` is the working set (the kubelet's figure),
+    and the source says the figure used."""
+    if version == "v1":
+        proc, root = _cgroup_v1(tmp_path, str(4 * GiB), str(3 * GiB))
+        group, key = root / "memory" / "process_api" / "abc", "total_inactive_file"
+        stat = f"cache {2 * GiB}\ninactive_file {GiB // 4}\n{key} {GiB}\nactive_file 5\n"
+    else:
+        proc, root = _cgroup(tmp_path, str(4 * GiB), str(3 * GiB))
+        group, key = root / "kv.slice", "inactive_file"
+        stat = f"anon 7\nfile {2 * GiB}\n{key} {GiB}\nactive_file 5\n"
+    (group / "memory.stat").write_text(stat)
+    sample = CpuSampler(proc, root).sample()
+    assert sample.free_bytes == min(2 * GiB, psutil.virtual_memory().available)
+    assert f"memory.stat {key} {GiB:,} B (reclaimable page cache) not counted as used" in sample.source
+
+
+def test_page_cache_larger_than_usage_leaves_no_negative_working_set(tmp_path):
+    proc, root = _cgroup_v1(tmp_path, str(4 * GiB), str(GiB))
+    (root / "memory" / "process_api" / "abc" / "memory.stat").write_text(f"total_inactive_file {2 * GiB}\n")
+    assert CpuSampler(proc, root).sample().free_bytes == min(4 * GiB, psutil.virtual_memory().available)
+
+
+def test_without_memory_stat_the_raw_usage_counts_and_the_source_says_so(tmp_path):
+    proc, root = _cgroup_v1(tmp_path, str(4 * GiB), str(3 * GiB))
+    sample = CpuSampler(proc, root).sample()
+    assert sample.free_bytes == min(GiB, psutil.virtual_memory().available)
+    assert "page cache counted as used (memory.stat: FileNotFoundError" in sample.source
+
+
 def test_cgroup_v1_no_limit_is_the_huge_page_counter_maximum(tmp_path):
     proc, root = _cgroup_v1(tmp_path, "9223372036854771712", str(GiB))
     sample = CpuSampler(proc, root).sample()

@@ -181,6 +181,27 @@ class CgroupMemory:
         return ("memory.limit_in_bytes", "memory.usage_in_bytes") if self.version == "v1" else (
             "memory.max", "memory.current")
 
+    @property
+    def inactive_file_key(self) -> str:
+        """The ``memory.stat`` line of file pages the kernel reclaims before
+        it kills in this cgroup (v1 counts the subtree as ``total_``)."""
+        return "total_inactive_file" if self.version == "v1" else "inactive_file"
+
+    def reclaimable(self) -> tuple[int, str]:
+        """Bytes of inactive page cache, and what the sample's source says of
+        them: usage less these is the working set, the figure the kubelet
+        evicts on. An unreadable ``memory.stat`` counts them as used."""
+        key = self.inactive_file_key
+        try:
+            for line in (self.directory / "memory.stat").read_text().splitlines():
+                name, _, value = line.partition(" ")
+                if name == key:
+                    size = int(value)
+                    return size, f"memory.stat {key} {size:,} B (reclaimable page cache) not counted as used"
+            raise ValueError(f"no {key} line")
+        except (OSError, ValueError) as exc:
+            return 0, f"page cache counted as used (memory.stat: {type(exc).__name__}: {exc})"
+
 
 def _under(root: Path, path: str) -> Path:
     """A cgroup path under its mount; inside a container the namespaced path
@@ -240,8 +261,9 @@ class CpuSampler:
 
     ``psutil.virtual_memory().available`` alone overstates what a process in
     a container may use: the kernel kills it at the cgroup limit long before
-    the host runs out. Where a limit is set, free = limit - usage (page cache
-    counts as used: conservative), and the smaller of that and psutil's
+    the host runs out. Where a limit is set, free = limit - working set
+    (usage less the inactive page cache the kernel reclaims before it kills,
+    :meth:`CgroupMemory.reclaimable`), and the smaller of that and psutil's
     figure wins. A limit of "no limit" (v2 ``max``, v1's huge number) or one
     above the host's memory leaves psutil's figure. Cgroup files that cannot
     be read leave psutil's figure too, and the source says which file and
@@ -268,10 +290,11 @@ class CpuSampler:
                 source += f"; cgroup {cgroup.version} limit not applied: {type(exc).__name__}: {exc}"
             else:
                 if limit is not None and limit < min(total, CGROUP_V1_NO_LIMIT) and usage is not None:
+                    reclaimable, note = cgroup.reclaimable()
                     total = limit
-                    free = min(free, max(limit - usage, 0))
+                    free = min(free, max(limit - max(usage - reclaimable, 0), 0))
                     source = (f"cgroup {cgroup.version} {cgroup.directory}: {limit_file} - {usage_file}, "
-                              "capped by psutil")
+                              f"capped by psutil; {note}")
         process_bytes = int(psutil.Process().memory_info().rss)
         return MemorySample(
             total_bytes=total,
