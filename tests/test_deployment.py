@@ -334,7 +334,7 @@ def test_a_stage_that_declares_nothing_gets_its_share_once_live_measurement_find
     update = monitor.observe([WorkerSample(rank=0, owners=kept, seconds=0.0, step=peaks)], running=200,
                              finished_unfreed=0, completed=0, now=0.0)
     assert [f.kind for f in update.findings] == ["undeclared", "limit-lowered"]
-    assert update.lowered_limit == 4 * MiB // row == 227
+    assert update.limit == 4 * MiB // row == 227
     record = read_deployment(path)
     assert {e.stage.stage_id: e.live_excess_per_seq_bytes for e in record.planned} == {0: 0, 1: row}
     part = split_for(record, Stage(stage_id=1, replica=0)).devices[0]

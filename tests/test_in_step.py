@@ -196,7 +196,7 @@ def test_an_under_declared_per_step_cache_lowers_the_limit_under_cap():
     assert [f.kind for f in update.findings] == ["under-declared", "limit-lowered"]
     assert update.findings[0].bytes == ROW_BYTES - declared_row
     assert f"held {8 * ROW_BYTES:,} B at once inside the step with 8 sequence(s) held" in update.findings[0].message
-    assert update.lowered_limit == 64 * declared_row // ROW_BYTES == 16
+    assert update.limit == 64 * declared_row // ROW_BYTES == 16
     owner = monitor.state().ranks[0].owners[0]
     assert (owner.verdict, owner.step_bytes, owner.step_allowed_bytes) == (
         "under-declared", 8 * ROW_BYTES, 8 * declared_row)
@@ -222,7 +222,7 @@ def test_what_an_undeclared_module_adds_inside_a_step_is_charged_fixed_beside_pe
     assert [f.kind for f in update.findings] == ["undeclared", "limit-lowered"]
     assert "module '<root>' held" in update.findings[0].message
     assert (monitor.rank_per_seq_bytes(0), monitor.rank_fixed_bytes(0)) == (ROW_BYTES, 2 * ROW_BYTES)
-    assert update.lowered_limit == (40 - 2) * ROW_BYTES // ROW_BYTES
+    assert update.limit == (40 - 2) * ROW_BYTES // ROW_BYTES
     verdicts = {o.owner: o.verdict for o in monitor.state().ranks[0].owners}
     assert verdicts == {"talker": "ok", "": "undeclared"}
 
@@ -239,7 +239,7 @@ def test_when_nothing_else_scales_what_an_undeclared_module_adds_inside_a_step_i
     assert set(peaks.undeclared) == {"", "talker"}  # nothing declares here: the talker's step caches too
     per_seq = sum(-(-added // 2) for added in peaks.undeclared.values())  # each holder's, per sequence held
     assert (monitor.rank_per_seq_bytes(0), monitor.rank_fixed_bytes(0)) == (per_seq, 0)
-    assert update.lowered_limit == 40 * ROW_BYTES // per_seq
+    assert update.limit == 40 * ROW_BYTES // per_seq
 
 
 def test_a_short_reservation_lowers_the_live_limit_to_what_fits_the_reserved_bytes():
@@ -251,7 +251,7 @@ def test_a_short_reservation_lowers_the_live_limit_to_what_fits_the_reserved_byt
     _, peaks = _watch(model, ["talker"], ((4,), {}))
     monitor = LiveMonitor(plan, step_peaks=True)
     update = monitor.observe(_sample(peaks), running=4, finished_unfreed=0, completed=0, now=0.0)
-    assert update.lowered_limit == 16  # 32 half rows reserved hold 16 whole ones
+    assert update.limit == 16  # 32 half rows reserved hold 16 whole ones
     assert "max_num_seqs 32 -> 16 (rank 0: floor((reserved " in update.findings[-1].message
 
 

@@ -14,12 +14,13 @@ from kv_budget.audit import audit_module
 from kv_budget.collect.model import collect_model_local_kv_specs
 from kv_budget.declare.hf_config import spec_from_hf_config
 from kv_budget.declare.spec import RowDriver, Scope
-from kv_budget.plan.planner import budget_worker, headroom_override, make_plan
+from kv_budget.plan.planner import budget_worker, headroom_from_free, headroom_override, make_plan
 from kv_budget.sample.caches import HeldBytes
 from kv_budget.sample.in_step import InStepPeaks
 from kv_budget.settings import Policy
 from kv_budget.watch.live import (
     DEAD_AFTER_COMPLETED,
+    DeviceFree,
     MAX_SAMPLING_FRACTION,
     LiveMonitor,
     WorkerSample,
@@ -96,7 +97,7 @@ def test_a_true_declaration_gives_no_finding_and_keeps_the_limit():
     for i in range(10):
         stage.talker.start(f"r{i}")
     update = monitor.observe(sample(stage, scanner), running=10, finished_unfreed=0, completed=0, now=0.0)
-    assert update.findings == [] and update.lowered_limit is None
+    assert update.findings == [] and update.limit is None
     state = monitor.state()
     assert state.limit == 10
     assert state.ranks[0].bytes == state.ranks[0].peak_bytes == 10 * ROW_BYTES
@@ -130,7 +131,7 @@ def test_under_declaration_under_cap_lowers_the_limit_to_what_the_measurement_al
     assert update.findings[0].bytes == ROW_BYTES - declared_row
     assert monitor.rank_per_seq_bytes(0) == ROW_BYTES
     limit = headroom // ROW_BYTES  # 40 x 1,024 B // 5,120 B = 8
-    assert update.lowered_limit == limit == 8
+    assert update.limit == limit == 8
     assert f"max_num_seqs 40 -> {limit}" in update.findings[1].message
     # Within the lowered limit the measured footprint stays in the headroom.
     for i in range(4, limit):
@@ -141,7 +142,7 @@ def test_under_declaration_under_cap_lowers_the_limit_to_what_the_measurement_al
     assert state.limit == limit and state.corrections == 1
     # The same excess again is not a new finding and never raises the limit.
     update = monitor.observe(sample(stage, scanner), running=limit, finished_unfreed=0, completed=0, now=2.0)
-    assert update.findings == [] and update.lowered_limit is None and monitor.limit == limit
+    assert update.findings == [] and update.limit is None and monitor.limit == limit
 
 
 class SilentTalker(RequestTalker):
@@ -177,7 +178,7 @@ def test_an_undeclared_holder_is_measured_after_the_step_once_a_window_met_it():
                                           step=window.with_untouched(untouched))],
                             running=4, finished_unfreed=0, completed=0, now=0.0)
     assert [f.kind for f in first.findings] == ["undeclared", "limit-lowered"]
-    assert first.findings[0].bytes == 4 * ROW_BYTES and first.lowered_limit == 10
+    assert first.findings[0].bytes == 4 * ROW_BYTES and first.limit == 10
     assert "5,120 B per sequence kept + 0 B added inside the step" in first.findings[0].message
     scanner = HeldBytes(stage, [], monitor.undeclared_holders()[0])
     for i in range(4, 8):
@@ -210,9 +211,89 @@ def test_requests_parked_between_chunks_count_as_held():
         running=2, finished_unfreed=0, completed=0, now=0.0, waiting=0, parked=6)
     assert scanner.measure() == {"talker": 8 * ROW_BYTES}
     assert monitor.held == 8 and monitor.rank_per_seq_bytes(0) == ROW_BYTES
-    assert update.lowered_limit == headroom // ROW_BYTES == 10
+    assert update.limit == headroom // ROW_BYTES == 10
     assert monitor.kept_by_undeclared() == ["talker"]
     assert monitor.state().ranks[0].peak_bytes_within_limit == 8 * ROW_BYTES  # 2 + 6 admitted, under 10
+
+
+MARGIN = 64 * ROW_BYTES
+
+
+def measured_plan(stage: Stage, free: int, policy: str = "cap", sharers: int = 1):
+    """A plan on a sampled device: headroom = (free - margin) / sharers."""
+    headroom = headroom_from_free(free, 100 * free, "test device", MARGIN, sharers)
+    worker = budget_worker(collect_model_local_kv_specs(stage), headroom, max_num_seqs=256)
+    return make_plan([worker], 256, policy)
+
+
+def device_sample(stage: Stage, scanner: HeldBytes, free: int) -> list[WorkerSample]:
+    (one,) = sample(stage, scanner)
+    return [one.model_copy(update={"free": DeviceFree(free_bytes=free, source="test device")})]
+
+
+def test_the_device_short_of_its_margin_lowers_the_limit_and_its_recovery_restores_it():
+    """The plan kept a margin of the measured free memory. While only the
+    planned caches grow, what is free is the plan's figure and nothing
+    changes; when something nobody planned takes memory, the limit goes to
+    what fits what is free, and back when the memory returns."""
+    stage = Stage(RequestTalker())
+    plan = measured_plan(stage, MARGIN + 10 * ROW_BYTES)
+    assert plan.effective_max_num_seqs == 10
+    monitor, scanner = LiveMonitor(plan), HeldBytes(stage, ["talker"])
+    for i in range(4):
+        stage.talker.start(f"r{i}")
+    planned = monitor.observe(device_sample(stage, scanner, MARGIN + 6 * ROW_BYTES), running=4, finished_unfreed=0,
+                              completed=0, now=0.0)
+    assert planned.findings == [] and planned.limit is None  # 4 held + 6 free = the plan's 10
+    short = monitor.observe(device_sample(stage, scanner, MARGIN + 3 * ROW_BYTES), running=4, finished_unfreed=0,
+                            completed=0, now=1.0)
+    (finding,) = short.findings
+    assert finding.kind == "memory-low" and short.limit == monitor.limit == 7 == monitor.memory_limit
+    assert (f"the device has {MARGIN + 3 * ROW_BYTES:,} B free (test device), under the margin the plan kept: "
+            f"held 4 + floor(({MARGIN + 3 * ROW_BYTES:,} B - margin {MARGIN:,} B) / 1 / live per-sequence "
+            f"{ROW_BYTES:,} B) = 7: live limit 10 -> 7") in finding.message
+    still = monitor.observe(device_sample(stage, scanner, MARGIN + 3 * ROW_BYTES), running=4, finished_unfreed=0,
+                            completed=0, now=2.0)
+    assert still.findings == [] and still.limit is None
+    back = monitor.observe(device_sample(stage, scanner, MARGIN + 6 * ROW_BYTES), running=4, finished_unfreed=0,
+                           completed=0, now=3.0)
+    assert [f.kind for f in back.findings] == ["memory-recovered"] and back.limit == monitor.limit == 10
+    assert monitor.memory_limit is None and monitor.bytes_limit == 10
+
+
+def test_the_memory_watch_never_raises_above_the_measured_caches_limit_and_warn_changes_nothing():
+    stage = Stage(RequestTalker(declared_positions=HELD_POSITIONS // 2))  # under-declared: corrections lower it
+    plan = measured_plan(stage, MARGIN + 16 * ROW_BYTES)
+    monitor, scanner = LiveMonitor(plan), HeldBytes(stage, ["talker"])
+    for i in range(4):
+        stage.talker.start(f"r{i}")
+    update = monitor.observe(device_sample(stage, scanner, MARGIN + 100 * ROW_BYTES), running=4, finished_unfreed=0,
+                             completed=0, now=0.0)
+    assert update.limit == monitor.bytes_limit == 16 and monitor.memory_limit is None  # the caches' bound binds
+    warned = LiveMonitor(measured_plan(Stage(RequestTalker()), MARGIN + 10 * ROW_BYTES, policy="warn"))
+    update = warned.observe(device_sample(stage, scanner, MARGIN), running=4, finished_unfreed=0, completed=0,
+                            now=0.0)
+    assert [f.kind for f in update.findings] == ["memory-low"] and update.limit is None and warned.limit == 256
+    assert "policy warn: nothing is changed" in update.findings[0].message
+
+
+def test_an_operators_headroom_has_no_margin_to_watch():
+    stage = Stage(RequestTalker())
+    monitor, scanner = LiveMonitor(plan_for(stage, headroom=10 * ROW_BYTES)), HeldBytes(stage, ["talker"])
+    stage.talker.start("r0")
+    update = monitor.observe(device_sample(stage, scanner, 0), running=1, finished_unfreed=0, completed=0, now=0.0)
+    assert update.findings == [] and update.limit is None and monitor.limit == 10
+
+
+def test_workers_sharing_the_device_split_what_is_free():
+    stage = Stage(RequestTalker())
+    plan = measured_plan(stage, MARGIN + 20 * ROW_BYTES, sharers=2)
+    assert plan.effective_max_num_seqs == 10
+    monitor, scanner = LiveMonitor(plan), HeldBytes(stage, ["talker"])
+    stage.talker.start("r0")
+    update = monitor.observe(device_sample(stage, scanner, MARGIN + 8 * ROW_BYTES), running=1, finished_unfreed=0,
+                             completed=0, now=0.0)
+    assert update.limit == 1 + 8 // 2 == 5
 
 
 def test_under_declaration_under_warn_is_reported_and_changes_nothing():
@@ -223,7 +304,7 @@ def test_under_declaration_under_warn_is_reported_and_changes_nothing():
         stage.talker.start(f"r{i}")
     update = monitor.observe(sample(stage, scanner), running=4, finished_unfreed=0, completed=0, now=0.0)
     assert [f.kind for f in update.findings] == ["under-declared", "limit-lowered"]
-    assert update.lowered_limit is None and monitor.limit == 16
+    assert update.limit is None and monitor.limit == 16
     assert "policy warn: nothing is changed" in update.findings[1].message
 
 

@@ -85,7 +85,7 @@ def live_status(plan, tmp_path_factory) -> EngineStatus:
     update = monitor.observe([_sample(0, 6, EXCESS, watched=True), _sample(1, 6, watched=True)], running=5,
                              finished_unfreed=1, completed=8, now=2.0)
     monitor.note_cost(0.003)
-    assert update.lowered_limit == (HEADROOM_0 - FIXED) // (PER_SEQ + EXCESS) == 9
+    assert update.limit == (HEADROOM_0 - FIXED) // (PER_SEQ + EXCESS) == 9
     status = EngineStatus(engine_index=1, model="/models/demo", pid=4242, updated_unix_s=1_700_000_000.5,
                           plan=plan, live=monitor.state())
     # Through the file, as the API server reads it.

@@ -102,6 +102,8 @@ class Headroom(BaseModel):
 
     sampled_free_bytes: int | None = None
     margin_bytes: int = 0
+    sharers: int = 1
+    """Workers drawing on the same memory, which split it evenly."""
     reserved_by_others_bytes: int = 0
     """Taken off for other engines' model-local KV on the same device
     (:mod:`kv_budget.ledger`); 0 when none or the ledger is off."""
@@ -126,6 +128,7 @@ def headroom_from_free(
         source=f"{source}: free {free_bytes:,} B minus margin {margin:,} B{split}",
         sampled_free_bytes=free_bytes,
         margin_bytes=margin,
+        sharers=sharers,
     )
 
 

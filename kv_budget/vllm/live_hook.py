@@ -34,6 +34,7 @@ same load with sampling off.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -42,6 +43,7 @@ from typing import Any
 from kv_budget.deployment import DeploymentError
 from kv_budget.plan.planner import Decision, Plan, WorkerBudget
 from kv_budget.sample.caches import HeldBytes, UnsupportedCacheError
+from kv_budget.sample.device import MemorySamplingError, sample_memory
 from kv_budget.sample.in_step import InStepTracker
 from kv_budget.settings import ModelLocalKVSettings, Policy
 from kv_budget.stage import Stage
@@ -91,19 +93,22 @@ def watch_step_on_worker(worker: Any, owners_by_rank: dict[int, list[str]]) -> d
 
 
 def measure_on_worker(worker: Any, owners_by_rank: dict[int, list[str]],
-                      holders_by_rank: dict[int, list[str]] | None = None) -> dict:
+                      holders_by_rank: dict[int, list[str]] | None = None, watch_device: bool = False) -> dict:
     """Runs in every worker (``collective_rpc``): the bytes each of this
     rank's declaring owners, and each module an earlier window saw holding
     caches it does not declare (``holders_by_rank``), holds now and, when a
     window was open, the step's peaks (caches the window counted are not
-    counted twice). Plain
+    counted twice), and with ``watch_device`` the device's free memory
+    as the startup sampler reads it (``free``; None when it cannot be
+    read: the watch skips that sample). Plain
     JSON data back; a cache the audit cannot count is reported in ``error``
     (sampling stops on that rank rather than publish a partial figure), a
     window that could not count one in ``step_error``."""
     start, cpu = time.perf_counter(), time.thread_time()
     owners = owners_by_rank.get(worker.rank, [])
     model = worker.model_runner.model
-    result: dict[str, Any] = {"rank": worker.rank, "owners": [], "step": None, "step_error": None, "error": None}
+    result: dict[str, Any] = {"rank": worker.rank, "owners": [], "step": None, "step_error": None, "error": None,
+                              "free": None}
     tracker = cache_updates.stop()
     window = tracker.end() if tracker is not None else None
     try:
@@ -117,6 +122,11 @@ def measure_on_worker(worker: Any, owners_by_rank: dict[int, list[str]],
             result["step_error"] = window.error
         elif window is not None:
             result["step"] = window.with_untouched(untouched).model_dump()
+        if watch_device:
+            device = worker.device
+            with contextlib.suppress(MemorySamplingError):
+                sampled = sample_memory(device.type, device.index or 0)
+                result["free"] = {"free_bytes": sampled.free_bytes, "source": sampled.source}
     except UnsupportedCacheError as exc:
         result["error"] = str(exc)
     except Exception as exc:  # noqa: BLE001 - a sample must never take the engine down
@@ -143,6 +153,17 @@ def apply_limit(scheduler: Any, limit: int) -> int:
     return current
 
 
+def restore_limit(scheduler: Any, limit: int, ceiling: int) -> int:
+    """Raise the Scheduler's admission limit back up to ``limit``, never
+    above ``ceiling`` (the startup value the Scheduler was built with, and
+    the workers sized for); return the value it has now."""
+    attribute = checked_vllm().features.admission_limit
+    target = min(limit, ceiling)
+    if target > getattr(scheduler, attribute):
+        setattr(scheduler, attribute, target)
+    return getattr(scheduler, attribute)
+
+
 class LiveHook:
     """One engine core's live sampling, between its steps."""
 
@@ -161,6 +182,8 @@ class LiveHook:
         }
         self.deployment = planning.split if planning is not None else None
         """The stage's part of its vLLM-Omni deployment, for the status file."""
+        self.watch_device = plan.policy is not Policy.RESERVE and any(w.headroom.margin_bytes for w in plan.workers)
+        """Whether samples read the device's free memory: where the plan kept a margin of a measured headroom."""
         self.parks_requests = parks_requests(vllm_config)
         """A vLLM-Omni async-chunk stage whose Scheduler may not count requests parked between chunks yet."""
         self.engine_index = int(getattr(core, "engine_index", 0) or 0)
@@ -247,7 +270,8 @@ class LiveHook:
         opening, self.watching, self.watch_seconds = self.watch_seconds, False, 0.0
         try:
             results = core.collective_rpc(measure_on_worker,
-                                          args=(self.owners_by_rank, self.monitor.undeclared_holders()))
+                                          args=(self.owners_by_rank, self.monitor.undeclared_holders(),
+                                                self.watch_device))
         except Exception as exc:  # noqa: BLE001 - see the docstring
             results = [{"rank": "?", "error": f"the sampling RPC failed: {type(exc).__name__}: {exc}"}]
         errors = [f"rank {r['rank']}: {r['error']}" for r in results if r["error"]]
@@ -263,7 +287,8 @@ class LiveHook:
         scheduler = core.scheduler
         watched = not step_errors and all(r.get("step") is not None for r in results)
         samples = [
-            WorkerSample(rank=r["rank"], owners=r["owners"], seconds=r["seconds"], step=r["step"] if watched else None)
+            WorkerSample(rank=r["rank"], owners=r["owners"], seconds=r["seconds"], step=r["step"] if watched else None,
+                         free=r.get("free"))
             for r in results
         ]
         parked = parked_requests(scheduler)
@@ -282,11 +307,15 @@ class LiveHook:
             self.parks_requests = False  # one switch, one line
             count_parked_in_scheduler(scheduler, self.monitor.plan.policy, kept,
                                       self.stage.label() if self.stage else "this engine")
-        if update.lowered_limit is not None:
-            self.limit_applied = apply_limit(scheduler, update.lowered_limit)
+        if update.limit is not None:
+            current = getattr(scheduler, checked_vllm().features.admission_limit)
+            if update.limit < current:
+                self.limit_applied = apply_limit(scheduler, update.limit)
+            else:
+                self.limit_applied = restore_limit(scheduler, update.limit, self.monitor.plan.effective_max_num_seqs)
             logger.warning(
                 "kv-budget: live: Scheduler.%s %d (live limit %d)",
-                checked_vllm().features.admission_limit, self.limit_applied, update.lowered_limit,
+                checked_vllm().features.admission_limit, self.limit_applied, update.limit,
             )
         # What the sample cost, in CPU time (a busy machine's waits are not its cost): opening the
         # windows, the slowest worker's measuring (tracking inside the step included), the engine core's part.
@@ -387,7 +416,7 @@ class PendingSplit:
         if self.live is not None:
             self.live.monitor.plan = plan
             if plan.policy is Policy.CAP:
-                self.live.monitor.limit = min(self.live.monitor.limit, plan.effective_max_num_seqs)
+                self.live.monitor.hold_to(plan.effective_max_num_seqs)
             self.live.deployment = self.deployment.split
             self.live.write_status()
 

@@ -121,6 +121,13 @@ class OwnerBytes(BaseModel):
     bytes: int
 
 
+class DeviceFree(BaseModel):
+    """A worker's device, sampled as at startup (NVML, or the host and its cgroup)."""
+
+    free_bytes: int
+    source: str
+
+
 class WorkerSample(BaseModel):
     """One worker's sample: the declaring owners' held bytes."""
 
@@ -131,6 +138,9 @@ class WorkerSample(BaseModel):
     """What measuring took in the worker (in-step tracking included)."""
     step: InStepPeaks | None = None
     """The sampled step's peaks; None when it was not watched."""
+    free: DeviceFree | None = None
+    """The device's free memory after the step; None where the plan's
+    headroom was the operator's (no margin to watch) or it was not sampled."""
 
 
 class OwnerExpectation(BaseModel):
@@ -245,7 +255,8 @@ class RankLive(BaseModel):
 class Finding(BaseModel):
     """Something a sample showed, logged once."""
 
-    kind: Literal["under-declared", "undeclared", "declared-but-absent", "leak", "limit-lowered", "nothing-fits"]
+    kind: Literal["under-declared", "undeclared", "declared-but-absent", "leak", "limit-lowered", "nothing-fits",
+                  "memory-low", "memory-recovered"]
     rank: int | None
     owner: str | None
     bytes: int
@@ -266,8 +277,12 @@ class LiveState(BaseModel):
     completed_requests: int
     startup_max_num_seqs: int
     limit: int
-    """The live limit on running sequences: the startup value, lowered by
-    corrections under ``cap``; never raised."""
+    """The live limit on running sequences: the smaller of ``bytes_limit``
+    and ``memory_limit``."""
+    bytes_limit: int | None = None
+    """The startup value, lowered by corrections of the measured caches; never raised."""
+    memory_limit: int | None = None
+    """Set while a device has less free than the margin its plan kept: what fits what is free."""
     corrections: int
     last_sample_seconds: float
     """CPU time the last sample took: the engine core's (RPC, comparison,
@@ -292,10 +307,12 @@ class LiveState(BaseModel):
 
 
 class LiveUpdate(BaseModel):
-    """What one sample changed: new findings to log, and a lower limit to apply."""
+    """What one sample changed: new findings to log, and the live limit to apply."""
 
     findings: list[Finding]
-    lowered_limit: int | None
+    limit: int | None
+    """The new live limit, lower or (the device having room again) higher;
+    None when it did not change."""
 
 
 class _OwnerTrack:
@@ -347,6 +364,12 @@ class LiveMonitor:
             worker.rank: {e.owner: _OwnerTrack(e) for e in owner_expectations(worker)} for worker in plan.workers
         }
         self.limit = plan.effective_max_num_seqs
+        """The live limit: the smaller of :attr:`bytes_limit` and :attr:`memory_limit`."""
+        self.bytes_limit = plan.effective_max_num_seqs
+        """The startup value, lowered where the measured caches call for it; never raised."""
+        self.memory_limit: int | None = None
+        """Where the device's free memory fell under the margin the plan kept
+        (:meth:`_watch_memory`): what fits what is free now; None while it has not."""
         self.samples = 0
         self.samples_while_running = 0
         self.running = 0
@@ -412,9 +435,71 @@ class LiveMonitor:
         for sample in samples:
             new.extend(self._observe_rank(sample))
         resplit = self._resplit()
-        lowered = self._correct(new) if self._excess_grew or resplit else None
+        if self._excess_grew or resplit:
+            self._correct(new)
+        self._watch_memory(samples, new)
         self.findings.extend(new)
-        return LiveUpdate(findings=new, lowered_limit=lowered)
+        limit = min(self.bytes_limit, self.memory_limit or self.bytes_limit)
+        if self.plan.policy not in CORRECTING_POLICIES or limit == self.limit:
+            return LiveUpdate(findings=new, limit=None)
+        self.limit = limit
+        return LiveUpdate(findings=new, limit=limit)
+
+    def _watch_memory(self, samples: list[WorkerSample], new: list[Finding]) -> None:
+        """The device itself: where a worker's device has less free than
+        the margin its plan kept, something nobody planned grew (the
+        engine, the API server, another process); the limit goes to what
+        fits what is free now, held + floor((free - margin) / sharers /
+        live per-sequence bytes), lower while the device stays short and
+        back up to :attr:`bytes_limit` as it recovers. Planned caches not
+        yet held are still free, so while nothing unplanned grows the
+        figure is the plan's own."""
+        bounds = []
+        for sample in samples:
+            worker = self.workers.get(sample.rank)
+            if sample.free is None or worker is None or not worker.headroom.margin_bytes:
+                continue
+            margin, sharers = worker.headroom.margin_bytes, worker.headroom.sharers
+            surplus = (sample.free.free_bytes - margin) // sharers
+            per_seq = self.rank_per_seq_bytes(sample.rank)
+            if per_seq:
+                bound = self.held + surplus // per_seq
+                how = (f"held {self.held} + floor(({sample.free.free_bytes:,} B - margin {margin:,} B) / {sharers} / "
+                       f"live per-sequence {per_seq:,} B)")
+            elif surplus < 0:
+                bound, how = self.held, f"held {self.held} (free {sample.free.free_bytes:,} B under margin {margin:,} B)"
+            else:
+                continue
+            bounds.append((max(bound, 1), sample.rank, how, sample.free))
+        if not bounds:
+            if self.memory_limit is not None:
+                self._memory_finding(new, "memory-recovered", None, None, None, None)
+            self.memory_limit = None
+            return
+        bound, rank, how, free = min(bounds, key=lambda b: b[0])
+        previous = self.memory_limit
+        if bound >= self.bytes_limit:
+            if previous is not None:
+                self._memory_finding(new, "memory-recovered", rank, how, free, self.bytes_limit)
+            self.memory_limit = None
+        elif previous is None or bound < previous:
+            self.memory_limit = bound
+            self._memory_finding(new, "memory-low", rank, how, free, bound)
+        else:
+            self.memory_limit = bound
+
+    def _memory_finding(self, new: list[Finding], kind: str, rank: int | None, how: str | None,
+                        free: DeviceFree | None, limit: int | None) -> None:
+        acting = self.plan.policy in CORRECTING_POLICIES
+        if kind == "memory-low":
+            action = (f"live limit {self.limit} -> {limit}; running requests finish, new ones wait"
+                      if acting and limit < self.limit else f"what fits is {limit}; policy warn: nothing is changed")
+            message = (f"rank {rank}: the device has {free.free_bytes:,} B free ({free.source}), under the margin the "
+                       f"plan kept: {how} = {limit}: {action}")
+        else:
+            where = f"rank {rank}: {how} >= {limit}" if how is not None else "no device short of its margin"
+            message = f"the device has room again ({where}): the live limit returns to {self.bytes_limit}"
+        new.append(Finding(kind=kind, rank=rank if rank is not None else 0, owner=None, bytes=0, message=message))
 
     def _observe_rank(self, sample: WorkerSample) -> list[Finding]:
         rank = sample.rank
@@ -589,9 +674,15 @@ class LiveMonitor:
             fixed += sum(track.excess_fixed for track in self.undeclared[rank].values())
         return fixed
 
+    def hold_to(self, limit: int) -> None:
+        """A limit set outside the samples (a vLLM-Omni stage's final
+        deployment split): the live limit stays at or under it."""
+        self.bytes_limit = min(self.bytes_limit, limit)
+        self.limit = min(self.limit, limit)
+
     def _correct(self, new: list[Finding]) -> int | None:
-        """The lower limit the samples call for, or None. Under ``warn``
-        the figures change and the limit does not."""
+        """Lower :attr:`bytes_limit` to what the measured caches fit; the new
+        value, or None. Under ``warn`` the figures change and the limit does not."""
         bounds = []
         for rank, worker in self.workers.items():
             bound = live_safe_max_num_seqs(
@@ -609,9 +700,9 @@ class LiveMonitor:
             f"(declared {worker.per_seq_bytes:,} B)) = {bound}"
         )
         if self.plan.policy not in CORRECTING_POLICIES:
-            if bound < self.limit:
+            if bound < self.bytes_limit:
                 new.append(Finding(kind="limit-lowered", rank=rank, owner=None, bytes=0, message=(
-                    f"max_num_seqs {self.limit} exceeds what fits by measurement ({arithmetic}); "
+                    f"max_num_seqs {self.bytes_limit} exceeds what fits by measurement ({arithmetic}); "
                     "policy warn: nothing is changed")))
             return None
         if bound < 1:
@@ -619,9 +710,9 @@ class LiveMonitor:
                 f"not one sequence fits by measurement ({arithmetic}); the live limit goes to 1 so the "
                 "engine keeps serving one request at a time")))
             bound = 1
-        if bound >= self.limit:
+        if bound >= self.bytes_limit:
             return None
-        previous, self.limit = self.limit, bound
+        previous, self.bytes_limit = self.bytes_limit, bound
         self.corrections += 1
         new.append(Finding(kind="limit-lowered", rank=rank, owner=None, bytes=0, message=(
             f"max_num_seqs {previous} -> {bound} ({arithmetic}); running requests finish, new ones wait, "
@@ -654,7 +745,8 @@ class LiveMonitor:
             policy=self.plan.policy, sample_interval_s=self.sample_interval_s, step_peaks=self.step_peaks,
             samples=self.samples,
             running_sequences=self.running, held_sequences=self.held, completed_requests=self.completed,
-            startup_max_num_seqs=self.plan.effective_max_num_seqs, limit=self.limit, corrections=self.corrections,
+            startup_max_num_seqs=self.plan.effective_max_num_seqs, limit=self.limit, bytes_limit=self.bytes_limit,
+            memory_limit=self.memory_limit, corrections=self.corrections,
             last_sample_seconds=self.last_sample_seconds, sample_seconds_total=self.sample_seconds_total,
             steps=self.steps, step_seconds_total=self.step_seconds_total, hook_seconds_total=self.hook_seconds_total,
             watched_steps=self.watched_steps, watched_step_seconds_total=self.watched_step_seconds_total,

@@ -237,7 +237,8 @@ METRICS: tuple[MetricSpec, ...] = (
           f"1 on the bound deployment_room_bytes came from (deployment split, measured), 0 on the other, {_SPLIT}.",
           (*DEVICE_LABELS, "binding")),
     _spec("live_findings",
-          f"Live findings of each kind (under-declared, declared-but-absent, leak, limit-lowered, nothing-fits) "
+          f"Live findings of each kind (under-declared, declared-but-absent, leak, limit-lowered, nothing-fits, "
+          f"memory-low, memory-recovered) "
           f"since the engine started, each logged once as a warning, {_LIVE}.", (*ENGINE_LABELS, "kind")),
 )
 """Every gauge the stat logger publishes."""
