@@ -48,7 +48,7 @@ FAST_TESTS := -m "not engine and not vllm and not network and not omni_models an
 # run ends with its slowest tests.
 PYTEST_SUITE := -n 2 --dist loadfile --durations=25 --durations-min=1
 
-.PHONY: test test-fast test-omni test-compat venvs demo install install-omni clean venv-omni-serve test-omni-pipeline
+.PHONY: test test-fast test-omni test-compat venvs demo demo-limit install install-omni clean venv-omni-serve test-omni-pipeline
 
 # One recipe for both venvs, each with its own extras.
 EXTRAS_$(VENV) := cpu,test,bench
@@ -131,6 +131,11 @@ test-omni-pipeline: $(OMNI_SERVE_STAMP)
 
 demo: $(STAMP)
 	$(PY) -m kv_budget_demo
+
+# The same server under a real memory limit (a memory cgroup made and removed
+# here), stock vLLM against kv-budget; `make demo` where no cgroup can be made.
+demo-limit: $(STAMP)
+	$(PY) -m kv_budget_demo.limit_demo
 
 clean:
 	rm -rf $(VENV) $(OMNI_VENV) $(VENV_0_31) $(OMNI_SERVE_VENV) demo-out benchmarks/out

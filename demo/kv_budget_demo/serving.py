@@ -70,6 +70,8 @@ class ApiServer:
     ``VLLM_CPU_KVCACHE_SPACE``, which would win over ``--kv-cache-memory-bytes``)."""
     port: int = field(default_factory=free_port)
     startup_seconds: float | None = None
+    command_prefix: list[str] = field(default_factory=list)
+    """Run before the command, which it must ``exec`` (e.g. joining a memory cgroup)."""
 
     @property
     def url(self) -> str:
@@ -90,7 +92,8 @@ class ApiServer:
         self._log = open(self.log_path, "w")
         began = time.monotonic()
         self._process = subprocess.Popen(
-            self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            [*self.command_prefix, *self.command()], stdout=self._log, stderr=subprocess.STDOUT, env=env,
+            start_new_session=True,
         )
         while time.monotonic() - began < timeout:
             if self._process.poll() is not None:
