@@ -81,7 +81,8 @@ def run_under_limit(policy: str, checkpoint: Path, run_dir: Path, requests: int,
 
 def _line(result: dict) -> str:
     if not result.get("started"):
-        return f"[demo-limit] {result['policy']}: did not start ({result.get('error')}), OOM kills {result['oom_kills']}"
+        return (f"[demo-limit] {result['policy']}: did not start ({result.get('error')}), "
+                f"OOM kills {result['oom_kills']}")
     capped = f", max_num_seqs {result['max_num_seqs']}" if "max_num_seqs" in result else ", max_num_seqs 256"
     peak = result["peak_usage_bytes"]
     return (f"[demo-limit] {result['policy']:>3}: limit {format_bytes(result['limit_bytes'])}, after startup "

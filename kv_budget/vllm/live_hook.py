@@ -305,8 +305,7 @@ class LiveHook:
             logger.warning("kv-budget: live: %s", finding.message)
         if self.parks_requests and (kept := self.monitor.kept_by_undeclared()):
             self.parks_requests = False  # one switch, one line
-            count_parked_in_scheduler(scheduler, self.monitor.plan.policy, kept,
-                                      self.stage.label() if self.stage else "this engine")
+            count_parked_in_scheduler(scheduler, self.monitor.plan.policy, kept, self.stage)
         if update.limit is not None:
             current = getattr(scheduler, checked_vllm().features.admission_limit)
             if update.limit < current:

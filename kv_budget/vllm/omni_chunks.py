@@ -70,8 +70,9 @@ def count_parked_at_startup(vllm_config: Any, plan: Plan, stage: Stage | None) -
     model_config = vllm_config.model_config
     if not kept or model_config.retains_state_across_chunks:
         return
-    why = (f"{stage.label() if stage else 'this engine'} keeps {', '.join(kept)} per request between async chunks, and vLLM-Omni's scheduler "
-           "counts a request parked between chunks against max_num_seqs only with retains_state_across_chunks")
+    why = (f"{_who(stage)} keeps {', '.join(kept)} per request between async chunks, and vLLM-Omni's "
+           "scheduler counts a request parked between chunks against max_num_seqs only with "
+           "retains_state_across_chunks")
     if plan.policy not in PROTECTING:
         logger.warning("kv-budget: %s, which this stage's pipeline leaves False: requests parked between chunks "
                        "are not bounded by max_num_seqs (policy %s: nothing is changed)", why, plan.policy.value)
@@ -81,24 +82,27 @@ def count_parked_at_startup(vllm_config: Any, plan: Plan, stage: Stage | None) -
                    "request holding them", why, plan.effective_max_num_seqs)
 
 
-def count_parked_in_scheduler(scheduler: Any, policy: Policy, holders: list[str], label: str) -> bool:
+def count_parked_in_scheduler(scheduler: Any, policy: Policy, holders: list[str], stage: Stage | None) -> None:
     """While serving: live measurement found ``holders`` keeping caches
     nobody declared between steps. Under a protecting policy, turn the
-    running Scheduler's switch on (it reads it every ``schedule()``);
-    whether it changed. New requests wait until the requests holding
-    caches are under the limit; none is preempted."""
+    running Scheduler's switch on (it reads it every ``schedule()``). New
+    requests wait until the requests holding caches are under the limit;
+    none is preempted."""
     if getattr(scheduler, "_retains_state_across_chunks", True):
-        return False
-    why = (f"{label}: modules {', '.join(repr(h or '<root>') for h in holders)} keep caches between async chunks that nobody "
-           "declared")
+        return
+    modules = ", ".join(repr(h or "<root>") for h in holders)
+    why = f"{_who(stage)}: modules {modules} keep caches between async chunks that nobody declared"
     if policy not in PROTECTING:
         logger.warning("kv-budget: live: %s; requests parked between chunks are not bounded by the limit "
                        "(policy %s: nothing is changed)", why, policy.value)
-        return False
+        return
     scheduler._retains_state_across_chunks = True
     logger.warning("kv-budget: live: %s: the Scheduler now counts requests parked between chunks against its "
                    "limit (retains_state_across_chunks False -> True)", why)
-    return True
+
+
+def _who(stage: Stage | None) -> str:
+    return stage.label() if stage is not None else "this engine"
 
 
 def parked_requests(scheduler: Any) -> int:

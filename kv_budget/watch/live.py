@@ -467,7 +467,8 @@ class LiveMonitor:
                 how = (f"held {self.held} + floor(({sample.free.free_bytes:,} B - margin {margin:,} B) / {sharers} / "
                        f"live per-sequence {per_seq:,} B)")
             elif surplus < 0:
-                bound, how = self.held, f"held {self.held} (free {sample.free.free_bytes:,} B under margin {margin:,} B)"
+                bound = self.held
+                how = f"held {self.held} (free {sample.free.free_bytes:,} B under margin {margin:,} B)"
             else:
                 continue
             bounds.append((max(bound, 1), sample.rank, how, sample.free))
