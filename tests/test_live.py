@@ -22,6 +22,7 @@ from kv_budget.watch.live import (
     DEAD_AFTER_COMPLETED,
     DeviceFree,
     MAX_SAMPLING_FRACTION,
+    live_margin_bytes,
     LiveMonitor,
     WorkerSample,
     owner_expectations,
@@ -219,62 +220,107 @@ def test_requests_parked_between_chunks_count_as_held():
 MARGIN = 64 * ROW_BYTES
 
 
-def measured_plan(stage: Stage, free: int, policy: str = "cap", sharers: int = 1):
-    """A plan on a sampled device: headroom = (free - margin) / sharers."""
-    headroom = headroom_from_free(free, 100 * free, "test device", MARGIN, sharers)
+def measured_plan(stage: Stage, free: int, policy: str = "cap", sharers: int = 1, margin: int | None = MARGIN):
+    """A plan on a sampled device: headroom = (free - margin) / sharers (None: the default margin)."""
+    headroom = headroom_from_free(free, 100 * free, "test device", margin, sharers)
     worker = budget_worker(collect_model_local_kv_specs(stage), headroom, max_num_seqs=256)
     return make_plan([worker], 256, policy)
 
 
-def device_sample(stage: Stage, scanner: HeldBytes, free: int) -> list[WorkerSample]:
+def device_sample(stage: Stage, scanner: HeldBytes, free: int, peak_excess: int | None = None) -> list[WorkerSample]:
     (one,) = sample(stage, scanner)
-    return [one.model_copy(update={"free": DeviceFree(free_bytes=free, source="test device")})]
+    device = DeviceFree(free_bytes=free, source="test device", peak_excess_bytes=peak_excess)
+    return [one.model_copy(update={"free": device})]
 
 
-def test_the_device_short_of_its_margin_lowers_the_limit_and_its_recovery_restores_it():
-    """The plan kept a margin of the measured free memory. While only the
-    planned caches grow, what is free is the plan's figure and nothing
-    changes; when something nobody planned takes memory, the limit goes to
-    what fits what is free, and back when the memory returns."""
+def held(stage: Stage, count: int) -> None:
+    """Hold exactly ``count`` requests' talker rows."""
+    for i in range(count):
+        stage.talker.start(f"r{i}")
+
+
+def test_under_cap_with_a_measured_headroom_admission_starts_low_and_follows_what_the_device_holds():
+    """The plan's 10 rests on a guess of what the engine adds under load.
+    The live limit starts at a quarter of it, at most doubles per sample
+    while the device shows room, and goes to what fits at the sequences'
+    measured cost: held + floor((free at the steps' peak - margin) / cost)."""
     stage = Stage(RequestTalker())
     plan = measured_plan(stage, MARGIN + 10 * ROW_BYTES)
     assert plan.effective_max_num_seqs == 10
     monitor, scanner = LiveMonitor(plan), HeldBytes(stage, ["talker"])
-    for i in range(4):
-        stage.talker.start(f"r{i}")
-    planned = monitor.observe(device_sample(stage, scanner, MARGIN + 6 * ROW_BYTES), running=4, finished_unfreed=0,
-                              completed=0, now=0.0)
-    assert planned.findings == [] and planned.limit is None  # 4 held + 6 free = the plan's 10
-    short = monitor.observe(device_sample(stage, scanner, MARGIN + 3 * ROW_BYTES), running=4, finished_unfreed=0,
-                            completed=0, now=1.0)
-    (finding,) = short.findings
-    assert finding.kind == "memory-low" and short.limit == monitor.limit == 7 == monitor.memory_limit
-    assert (f"the device has {MARGIN + 3 * ROW_BYTES:,} B free (test device), under the margin the plan kept: "
-            f"held 4 + floor(({MARGIN + 3 * ROW_BYTES:,} B - margin {MARGIN:,} B) / 1 / live per-sequence "
-            f"{ROW_BYTES:,} B) = 7: live limit 10 -> 7") in finding.message
-    still = monitor.observe(device_sample(stage, scanner, MARGIN + 3 * ROW_BYTES), running=4, finished_unfreed=0,
-                            completed=0, now=2.0)
-    assert still.findings == [] and still.limit is None
-    back = monitor.observe(device_sample(stage, scanner, MARGIN + 6 * ROW_BYTES), running=4, finished_unfreed=0,
-                           completed=0, now=3.0)
-    assert [f.kind for f in back.findings] == ["memory-recovered"] and back.limit == monitor.limit == 10
-    assert monitor.memory_limit is None and monitor.bytes_limit == 10
+    assert monitor.follows_device and monitor.limit == 2 and monitor.ceiling == 256
+    held(stage, 2)
+    first = monitor.observe(device_sample(stage, scanner, MARGIN + 8 * ROW_BYTES), running=2, finished_unfreed=0,
+                            completed=0, now=0.0)
+    (finding,) = first.findings
+    assert finding.kind == "memory-room" and first.limit == monitor.limit == 4  # 10 fit; twice the 2 held
+    assert (f"held 2 + floor(({MARGIN + 8 * ROW_BYTES:,} B free at the steps' peak ({MARGIN + 8 * ROW_BYTES:,} B "
+            f"between steps - 0 B above) - live margin {MARGIN:,} B) / {ROW_BYTES:,} B per sequence "
+            f"[{2 * ROW_BYTES:,} B used since startup / 2 held, at least {ROW_BYTES:,} B declared]) = 10") \
+        in finding.message
+    held(stage, 4)
+    assert monitor.observe(device_sample(stage, scanner, MARGIN + 6 * ROW_BYTES), running=4, finished_unfreed=0,
+                           completed=0, now=1.0).limit == 8
+    held(stage, 8)
+    assert monitor.observe(device_sample(stage, scanner, MARGIN + 2 * ROW_BYTES), running=8, finished_unfreed=0,
+                           completed=0, now=2.0).limit == 10 == monitor.memory_limit
+    # Something the plan never saw takes two rows' worth: each held sequence now costs 10/8 of a row.
+    short = monitor.observe(device_sample(stage, scanner, MARGIN), running=8, finished_unfreed=0, completed=0,
+                            now=3.0)
+    assert [f.kind for f in short.findings] == ["memory-low"] and short.limit == monitor.limit == 8
+    assert monitor.cost_per_seq == -(-10 * ROW_BYTES // 8)
+    # The same seen only at the steps' peak (the worker's excess over what it holds between steps): the same bound.
+    peak = monitor.observe(device_sample(stage, scanner, MARGIN + 2 * ROW_BYTES, peak_excess=2 * ROW_BYTES),
+                           running=8, finished_unfreed=0, completed=0, now=4.0)
+    assert peak.findings == [] and peak.limit is None and monitor.limit == 8
 
 
-def test_the_memory_watch_never_raises_above_the_measured_caches_limit_and_warn_changes_nothing():
-    stage = Stage(RequestTalker(declared_positions=HELD_POSITIONS // 2))  # under-declared: corrections lower it
-    plan = measured_plan(stage, MARGIN + 16 * ROW_BYTES)
+def test_the_default_margin_is_kept_only_in_part_while_serving_and_the_limit_may_pass_the_startup_cap():
+    """The default margin stands for what startup could not measure; once
+    the sequences' cost is measured the watch keeps an eighth of it (at
+    least 64 MiB), so the live limit may go past the startup cap, up to the
+    configured max_num_seqs."""
+    stage = Stage(RequestTalker())
+    free = 1024**3 + 100 * ROW_BYTES
+    headroom = headroom_from_free(free, 4 * 1024**3, "test device")  # the default margin: 1 GiB
+    assert headroom.margin_bytes == 1024**3 and not headroom.margin_given
+    margin = live_margin_bytes(headroom)
+    assert margin == 128 * 1024**2
+    plan = make_plan([budget_worker(collect_model_local_kv_specs(stage), headroom, max_num_seqs=256)], 256, "cap")
+    assert plan.effective_max_num_seqs == 100
     monitor, scanner = LiveMonitor(plan), HeldBytes(stage, ["talker"])
-    for i in range(4):
-        stage.talker.start(f"r{i}")
-    update = monitor.observe(device_sample(stage, scanner, MARGIN + 100 * ROW_BYTES), running=4, finished_unfreed=0,
+    assert monitor.limit == 25
+    held(stage, 20)
+    update = monitor.observe(device_sample(stage, scanner, free - 20 * ROW_BYTES), running=20, finished_unfreed=0,
                              completed=0, now=0.0)
-    assert update.limit == monitor.bytes_limit == 16 and monitor.memory_limit is None  # the caches' bound binds
-    warned = LiveMonitor(measured_plan(Stage(RequestTalker()), MARGIN + 10 * ROW_BYTES, policy="warn"))
+    assert monitor.memory_limit == 20 + (free - 20 * ROW_BYTES - margin) // ROW_BYTES > 256
+    assert update.limit == 40  # twice the held
+    held(stage, 40)
+    update = monitor.observe(device_sample(stage, scanner, free - 40 * ROW_BYTES), running=40, finished_unfreed=0,
+                             completed=0, now=1.0)
+    assert update.limit == 80
+    held(stage, 80)
+    update = monitor.observe(device_sample(stage, scanner, free - 80 * ROW_BYTES), running=80, finished_unfreed=0,
+                             completed=0, now=2.0)
+    assert update.limit == 160 > plan.effective_max_num_seqs  # past the startup cap
+    held(stage, 160)
+    update = monitor.observe(device_sample(stage, scanner, free - 160 * ROW_BYTES), running=160, finished_unfreed=0,
+                             completed=0, now=3.0)
+    assert update.limit == 256 == monitor.ceiling  # never past the configured max_num_seqs
+    given = headroom_from_free(free, 4 * 1024**3, "test device", 1024**3)
+    assert given.margin_given and live_margin_bytes(given) == 1024**3  # the operator's margin is kept whole
+
+
+def test_warn_reports_what_the_device_holds_and_changes_nothing():
+    stage = Stage(RequestTalker())
+    warned = LiveMonitor(measured_plan(stage, MARGIN + 10 * ROW_BYTES, policy="warn"))
+    assert not warned.follows_device and warned.limit == 256
+    scanner = HeldBytes(stage, ["talker"])
+    held(stage, 4)
     update = warned.observe(device_sample(stage, scanner, MARGIN), running=4, finished_unfreed=0, completed=0,
                             now=0.0)
     assert [f.kind for f in update.findings] == ["memory-low"] and update.limit is None and warned.limit == 256
-    assert "policy warn: nothing is changed" in update.findings[0].message
+    assert "what fits is 4; policy warn: nothing is changed" in update.findings[0].message
 
 
 def test_an_operators_headroom_has_no_margin_to_watch():
@@ -286,14 +332,17 @@ def test_an_operators_headroom_has_no_margin_to_watch():
 
 
 def test_workers_sharing_the_device_split_what_is_free():
+    """Two workers on one host's memory: each held sequence costs a row on
+    both, so the device holds held + free / (2 rows)."""
     stage = Stage(RequestTalker())
     plan = measured_plan(stage, MARGIN + 20 * ROW_BYTES, sharers=2)
     assert plan.effective_max_num_seqs == 10
     monitor, scanner = LiveMonitor(plan), HeldBytes(stage, ["talker"])
-    stage.talker.start("r0")
-    update = monitor.observe(device_sample(stage, scanner, MARGIN + 8 * ROW_BYTES), running=1, finished_unfreed=0,
+    held(stage, 2)
+    update = monitor.observe(device_sample(stage, scanner, MARGIN + 16 * ROW_BYTES), running=2, finished_unfreed=0,
                              completed=0, now=0.0)
-    assert update.limit == 1 + 8 // 2 == 5
+    assert monitor.cost_per_seq == 2 * ROW_BYTES and monitor.memory_limit == 2 + 16 // 2 == 10
+    assert update.limit == 4  # twice the held, on the way
 
 
 def test_under_declaration_under_warn_is_reported_and_changes_nothing():
@@ -383,3 +432,17 @@ def test_the_sampler_counts_exactly_what_the_audit_counts(build):
     audited = {o.owner: o.measured_bytes for o in audit_module(model).owners if o.declarations}
     assert audited and all(audited.values())
     assert HeldBytes(model, list(audited)).measure() == audited
+
+
+def test_where_others_count_on_the_startup_figure_the_limit_follows_the_device_only_below_it():
+    """A device ledger (later engines take this one's recorded reservation
+    off what they measure) or a vLLM-Omni deployment split (the other
+    stages' parts are planned around it): the limit still starts low and
+    follows the device down, and never passes the startup cap."""
+    stage = Stage(RequestTalker())
+    plan = measured_plan(stage, MARGIN + 10 * ROW_BYTES)
+    ledgered = LiveMonitor(plan, past_startup_cap=False)
+    split = LiveMonitor(plan, resplit=lambda per_seq, fixed: None)
+    for monitor in (ledgered, split):
+        assert monitor.follows_device and monitor.limit == 2 and monitor.ceiling == 10
+    assert LiveMonitor(plan).ceiling == 256

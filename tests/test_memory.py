@@ -333,3 +333,18 @@ def test_device_identity_is_the_nvml_uuid_whatever_the_process_numbering(monkeyp
     assert device_identity("cpu") == f"host:{socket.gethostname()}"
     with pytest.raises(MemorySamplingError, match="'xpu'"):
         device_identity("xpu")
+
+
+def test_the_process_peak_is_the_high_water_mark_above_the_resident_set_and_is_reset_after_reading(tmp_path):
+    from kv_budget.sample.device import ProcessPeak
+
+    (tmp_path / "self").mkdir()
+    status = tmp_path / "self" / "status"
+    status.write_text("Name:\tpython\nVmHWM:\t  300000 kB\nVmRSS:\t  200000 kB\n")
+    (tmp_path / "self" / "clear_refs").write_text("")
+    peak = ProcessPeak("cpu", proc_root=tmp_path)
+    assert peak.read() == 100000 * 1024
+    assert (tmp_path / "self" / "clear_refs").read_text() == "5"  # the kernel's reset of VmHWM
+    status.write_text("Name:\tpython\n")
+    assert peak.read() is None  # no high-water mark to read: the watch works from free memory alone
+    assert ProcessPeak("xpu").read() is None

@@ -290,3 +290,18 @@ def test_an_unwritable_report_path_warns_and_does_not_stop_the_engine(tmp_path, 
     assert write_report(str(written), {"decision": "capped"}, vllm_figures()) is True
     report = json.loads(written.read_text())
     assert report["decision"] == "capped" and report["vllm_version"] == compat.vllm_version()
+
+
+def test_a_live_limit_past_the_startup_cap_raises_what_schedule_asserts_running_against():
+    """The Scheduler was built from the capped config; a live limit that
+    follows the device past the cap must lift ``max_num_running_reqs``
+    too (``schedule()`` asserts ``len(running)`` against it), never past
+    the ceiling."""
+    from kv_budget.vllm.compat import checked_vllm
+    from kv_budget.vllm.live_hook import restore_limit
+
+    attribute = checked_vllm().features.admission_limit
+    scheduler = SimpleNamespace(max_num_running_reqs=158, max_num_active_reqs=158)
+    assert restore_limit(scheduler, 179, 256) == 179
+    assert scheduler.max_num_running_reqs == 179 == getattr(scheduler, attribute)
+    assert restore_limit(scheduler, 300, 256) == 256 == scheduler.max_num_running_reqs

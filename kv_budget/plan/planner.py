@@ -102,6 +102,9 @@ class Headroom(BaseModel):
 
     sampled_free_bytes: int | None = None
     margin_bytes: int = 0
+    margin_given: bool = False
+    """Whether the operator set the margin (``--model-local-kv-margin``):
+    the live watch then keeps all of it (:func:`kv_budget.watch.live.live_margin_bytes`)."""
     sharers: int = 1
     """Workers drawing on the same memory, which split it evenly."""
     reserved_by_others_bytes: int = 0
@@ -128,6 +131,7 @@ def headroom_from_free(
         source=f"{source}: free {free_bytes:,} B minus margin {margin:,} B{split}",
         sampled_free_bytes=free_bytes,
         margin_bytes=margin,
+        margin_given=margin_bytes is not None,
         sharers=sharers,
     )
 

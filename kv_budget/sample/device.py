@@ -31,6 +31,7 @@ __all__ = [
     "cgroup_memory",
     "nvml_index_for_torch_device",
     "sample_memory",
+    "ProcessPeak",
 ]
 
 
@@ -349,3 +350,41 @@ def sample_memory(device_type: str, torch_index: int = 0) -> MemorySample:
         f"no memory sampler for device type {device_type!r}: kv-budget samples 'cuda' "
         "(NVML) and 'cpu' (system/cgroup memory); pass an explicit headroom instead"
     )
+
+
+class ProcessPeak:
+    """How far above what it holds now this process went since the last
+    reading: what a step's transients (activations, working copies,
+    allocator slack) took for a moment, which a sample of free memory
+    between steps cannot see. ``"cpu"``: the resident set's high-water mark
+    (``VmHWM`` less ``VmRSS``, ``/proc/self/status``), reset after each
+    reading through ``/proc/self/clear_refs``; ``"cuda"``: torch's caching
+    allocator, ``max_memory_reserved`` less ``memory_reserved``, reset with
+    ``reset_peak_memory_stats``. :meth:`read` returns None where neither
+    can be read (another device type, a kernel without the files): the
+    watch then works from free memory alone."""
+
+    def __init__(self, device_type: str, torch_index: int = 0, proc_root: Path = Path("/proc")) -> None:
+        self.device_type = device_type
+        self.torch_index = torch_index
+        self._status = proc_root / "self" / "status"
+        self._clear_refs = proc_root / "self" / "clear_refs"
+
+    def read(self) -> int | None:
+        """Bytes above the present since the previous call (or since the
+        process began, on the first), then start counting again."""
+        if self.device_type == "cuda":
+            import torch
+
+            excess = torch.cuda.max_memory_reserved(self.torch_index) - torch.cuda.memory_reserved(self.torch_index)
+            torch.cuda.reset_peak_memory_stats(self.torch_index)
+            return max(int(excess), 0)
+        if self.device_type != "cpu":
+            return None
+        try:
+            fields = dict(line.split(":", 1) for line in self._status.read_text().splitlines() if ":" in line)
+            excess = (int(fields["VmHWM"].split()[0]) - int(fields["VmRSS"].split()[0])) * 1024
+            self._clear_refs.write_text("5")  # the kernel's reset of the high-water mark to the present
+        except (OSError, KeyError, ValueError, IndexError):
+            return None
+        return max(excess, 0)

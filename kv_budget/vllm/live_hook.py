@@ -43,9 +43,9 @@ from typing import Any
 from kv_budget.deployment import DeploymentError
 from kv_budget.plan.planner import Decision, Plan, WorkerBudget
 from kv_budget.sample.caches import HeldBytes, UnsupportedCacheError
-from kv_budget.sample.device import MemorySamplingError, sample_memory
+from kv_budget.sample.device import MemorySamplingError, ProcessPeak, sample_memory
 from kv_budget.sample.in_step import InStepTracker
-from kv_budget.settings import ModelLocalKVSettings, Policy
+from kv_budget.settings import LEDGER_OFF, ModelLocalKVSettings, Policy
 from kv_budget.stage import Stage
 from kv_budget.startup import DeploymentPlanning, final_deployment_plan
 from kv_budget.vllm import cache_updates
@@ -62,6 +62,24 @@ _scanners: dict[int, tuple[tuple, HeldBytes]] = {}
 
 _trackers: dict[int, tuple[tuple, InStepTracker]] = {}
 """Per worker process: id(model) -> (what it was built for, its in-step tracker), built on the first watched step."""
+
+_peaks: dict[str, ProcessPeak] = {}
+"""Per worker process: its device's :class:`ProcessPeak`, started by :func:`start_peak_on_worker`."""
+
+
+def _process_peak(worker: Any) -> ProcessPeak:
+    device = worker.device
+    key = f"{device.type}:{device.index or 0}"
+    if key not in _peaks:
+        _peaks[key] = ProcessPeak(device.type, device.index or 0)
+    return _peaks[key]
+
+
+def start_peak_on_worker(worker: Any) -> None:
+    """Runs in every worker (``collective_rpc``) when live sampling begins:
+    count this process's peak from now, so startup's own (weights, the
+    profile run) is not read as the first step's."""
+    _process_peak(worker).read()
 
 
 def _per_model(table: dict, cls: type, model: Any, *owners: list[str]) -> Any:
@@ -126,7 +144,8 @@ def measure_on_worker(worker: Any, owners_by_rank: dict[int, list[str]],
             device = worker.device
             with contextlib.suppress(MemorySamplingError):
                 sampled = sample_memory(device.type, device.index or 0)
-                result["free"] = {"free_bytes": sampled.free_bytes, "source": sampled.source}
+                result["free"] = {"free_bytes": sampled.free_bytes, "source": sampled.source,
+                                  "peak_excess_bytes": _process_peak(worker).read()}
     except UnsupportedCacheError as exc:
         result["error"] = str(exc)
     except Exception as exc:  # noqa: BLE001 - a sample must never take the engine down
@@ -154,11 +173,15 @@ def apply_limit(scheduler: Any, limit: int) -> int:
 
 
 def restore_limit(scheduler: Any, limit: int, ceiling: int) -> int:
-    """Raise the Scheduler's admission limit back up to ``limit``, never
-    above ``ceiling`` (the startup value the Scheduler was built with, and
-    the workers sized for); return the value it has now."""
+    """Raise the Scheduler's admission limit up to ``limit``, never above
+    ``ceiling`` (:attr:`kv_budget.watch.live.LiveMonitor.ceiling`: at most
+    the configured ``max_num_seqs`` the workers' batches were sized for);
+    return the value it has now."""
     attribute = checked_vllm().features.admission_limit
     target = min(limit, ceiling)
+    if attribute != "max_num_running_reqs" and target > scheduler.max_num_running_reqs:
+        # Built from the capped config, and schedule() asserts len(running) <= max_num_running_reqs.
+        scheduler.max_num_running_reqs = target
     if target > getattr(scheduler, attribute):
         setattr(scheduler, attribute, target)
     return getattr(scheduler, attribute)
@@ -172,7 +195,8 @@ class LiveHook:
                  unmatched_overrides: list[str] | None = None, planning: DeploymentPlanning | None = None) -> None:
         self.planning = planning
         self.monitor = LiveMonitor(plan, settings.sample_interval_s, settings.step_peaks,
-                                   self._resplit if planning is not None else None)
+                                   self._resplit if planning is not None else None,
+                                   past_startup_cap=settings.ledger_dir == LEDGER_OFF)
         self.stage = stage
         self.overrides = list(overrides or [])
         """The overrides that applied here, as the workers filtered them for the stage."""
@@ -195,6 +219,8 @@ class LiveHook:
         self.stopped: str | None = None
         self.watching = False
         """Whether the workers' in-step windows are open for the coming step."""
+        self.started = False
+        """Whether the first step came: the limit a device-following monitor starts at is applied then."""
         self.watch_seconds = 0.0
         """The CPU time opening them took (the engine core's and the slowest worker's), added to the sample's cost."""
         self.write_status()
@@ -218,6 +244,8 @@ class LiveHook:
     def before_step(self, core: Any) -> None:
         """Open the workers' in-step windows when a sample is due and
         requests are in the engine: the sample after the step closes them."""
+        if not self.started:
+            self._start(core)
         if self.stopped is not None or not self.monitor.step_peaks or self.watching:
             return
         scheduler = core.scheduler
@@ -238,6 +266,24 @@ class LiveHook:
             return
         self.watching = True
         self.watch_seconds = time.thread_time() - cpu + max(r["cpu_seconds"] for r in results)
+
+    def _start(self, core: Any) -> None:
+        """Before the first step: the workers count their peak from here,
+        and a monitor that follows the device starts its limit below the
+        startup cap (:data:`kv_budget.watch.live.RAMP_START_FRACTION`)."""
+        self.started = True
+        if self.watch_device:
+            try:
+                core.collective_rpc(start_peak_on_worker)
+            except Exception as exc:  # noqa: BLE001 - the watch then reads each first peak from startup on
+                logger.warning("kv-budget: live: the workers could not start counting their peaks: %s", exc)
+        if self.monitor.follows_device and self.monitor.limit < self.monitor.plan.effective_max_num_seqs:
+            self.limit_applied = apply_limit(core.scheduler, self.monitor.limit)
+            logger.warning(
+                "kv-budget: live: admission starts at %d of the startup cap %d and follows the device from the "
+                "first sample, up to max_num_seqs %d (Scheduler.%s %d)", self.monitor.limit,
+                self.monitor.plan.effective_max_num_seqs, self.monitor.ceiling,
+                checked_vllm().features.admission_limit, self.limit_applied)
 
     def _stop_step_peaks(self, why: str) -> None:
         self.monitor.step_peaks = False
@@ -311,7 +357,7 @@ class LiveHook:
             if update.limit < current:
                 self.limit_applied = apply_limit(scheduler, update.limit)
             else:
-                self.limit_applied = restore_limit(scheduler, update.limit, self.monitor.plan.effective_max_num_seqs)
+                self.limit_applied = restore_limit(scheduler, update.limit, self.monitor.ceiling)
             logger.warning(
                 "kv-budget: live: Scheduler.%s %d (live limit %d)",
                 checked_vllm().features.admission_limit, self.limit_applied, update.limit,

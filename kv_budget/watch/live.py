@@ -63,13 +63,17 @@ from typing import Literal
 from pydantic import BaseModel
 
 from kv_budget.declare.spec import RowDriver, Scope
-from kv_budget.plan.planner import Charge, Plan, WorkerBudget, safe_max_num_seqs
+from kv_budget.plan.planner import Charge, Headroom, Plan, WorkerBudget, safe_max_num_seqs
 from kv_budget.sample.in_step import InStepPeaks
 from kv_budget.settings import DEFAULT_SAMPLE_INTERVAL_S, Policy
 
 __all__ = [
     "DEAD_AFTER_COMPLETED",
     "MAX_SAMPLING_FRACTION",
+    "RAMP_START_FRACTION",
+    "LIVE_MARGIN_FLOOR_BYTES",
+    "live_margin_bytes",
+    "DeviceFree",
     "OwnerBytes",
     "WorkerSample",
     "OwnerExpectation",
@@ -113,6 +117,30 @@ CORRECTING_POLICIES = (Policy.CAP, Policy.RESERVE)
 """The policies under which a measurement lowers the live limit: ``cap``
 keeps what runs within the headroom, ``reserve`` within the reservation."""
 
+RAMP_START_FRACTION = 4
+"""Where the limit follows the device (:attr:`LiveMonitor.follows_device`),
+it starts at this fraction of the startup cap and at most doubles from one
+sample to the next: a first burst of requests is admitted only as far as a
+guess allows, and each step up is taken once the sequences already held
+have shown what one costs."""
+
+LIVE_MARGIN_FLOOR_BYTES = 64 * 1024 * 1024
+"""The least the watch keeps free of a measured headroom while serving."""
+
+
+def live_margin_bytes(headroom: Headroom) -> int:
+    """What the live watch keeps free on a device: the whole margin where
+    the operator set it; else an eighth of the default margin, at least
+    :data:`LIVE_MARGIN_FLOOR_BYTES` and never more than the margin. Why less
+    than at startup: the default margin stands for what startup could not
+    measure (the engine's own growth under load); serving, the device is
+    read every sample and the sequences' measured cost takes that part, so
+    the margin is left to cover what a sample cannot see coming (another
+    process, an estimate a step later proves short)."""
+    if headroom.margin_given:
+        return headroom.margin_bytes
+    return min(headroom.margin_bytes, max(headroom.margin_bytes // 8, LIVE_MARGIN_FLOOR_BYTES))
+
 
 class OwnerBytes(BaseModel):
     """What one owner's caches held at one sample, on one worker."""
@@ -126,6 +154,11 @@ class DeviceFree(BaseModel):
 
     free_bytes: int
     source: str
+    peak_excess_bytes: int | None = None
+    """How far above what it holds between steps the worker's process went
+    since the previous sample (:class:`kv_budget.sample.device.ProcessPeak`):
+    what was free at the steps' peak is ``free_bytes`` less this. None where
+    it cannot be read."""
 
 
 class WorkerSample(BaseModel):
@@ -256,7 +289,7 @@ class Finding(BaseModel):
     """Something a sample showed, logged once."""
 
     kind: Literal["under-declared", "undeclared", "declared-but-absent", "leak", "limit-lowered", "nothing-fits",
-                  "memory-low", "memory-recovered"]
+                  "memory-low", "memory-room"]
     rank: int | None
     owner: str | None
     bytes: int
@@ -282,7 +315,12 @@ class LiveState(BaseModel):
     bytes_limit: int | None = None
     """The startup value, lowered by corrections of the measured caches; never raised."""
     memory_limit: int | None = None
-    """Set while a device has less free than the margin its plan kept: what fits what is free."""
+    """What the devices hold at the sequences' measured cost (:meth:`LiveMonitor._watch_memory`); None
+    while no device was read."""
+    ceiling: int | None = None
+    """The most the live limit may reach: the configured ``max_num_seqs`` where it follows the device."""
+    cost_per_seq_bytes: int | None = None
+    """The last sample's measured cost of one held sequence on the binding device."""
     corrections: int
     last_sample_seconds: float
     """CPU time the last sample took: the engine core's (RPC, comparison,
@@ -341,13 +379,24 @@ class _OwnerTrack:
         return [Finding(kind=kind, rank=rank, owner=self.expectation.owner, bytes=size, message=message)]
 
 
+class _DeviceBound(BaseModel):
+    """One rank's device, as :meth:`LiveMonitor._watch_memory` read it."""
+
+    rank: int
+    bound: int
+    cost: int | None
+    how: str
+    """The arithmetic, for the log."""
+    source: str
+
+
 class LiveMonitor:
     """Compares samples with the plan, keeps current and peak figures, and
     decides the live limit. Pure: the engine hook feeds it samples and
     applies what it returns."""
 
     def __init__(self, plan: Plan, sample_interval_s: float = DEFAULT_SAMPLE_INTERVAL_S,
-                 step_peaks: bool = False, resplit: Resplit | None = None) -> None:
+                 step_peaks: bool = False, resplit: Resplit | None = None, past_startup_cap: bool = True) -> None:
         if plan.policy not in WATCHED_POLICIES:
             raise ValueError(f"live monitoring follows a cap, warn or reserve plan, not {plan.policy.value}")
         if not sample_interval_s >= 0:
@@ -363,13 +412,30 @@ class LiveMonitor:
         self.owners = {
             worker.rank: {e.owner: _OwnerTrack(e) for e in owner_expectations(worker)} for worker in plan.workers
         }
-        self.limit = plan.effective_max_num_seqs
-        """The live limit: the smaller of :attr:`bytes_limit` and :attr:`memory_limit`."""
+        self.follows_device = plan.policy is Policy.CAP and any(w.headroom.margin_bytes for w in plan.workers)
+        """Whether the live limit follows the device rather than the startup
+        cap: under ``cap`` with a measured headroom (a margin kept), the cap
+        rests on a guess of what the engine adds under load, which serving
+        measures. An operator's headroom is exact: the cap stands."""
+        passes = self.follows_device and past_startup_cap and resplit is None
+        self.ceiling = plan.configured_max_num_seqs if passes else plan.effective_max_num_seqs
+        """The most the live limit may reach: the configured ``max_num_seqs``
+        (what the workers' batches were sized for) where it follows the
+        device and nothing else counts on the startup figure, else the
+        startup cap. What counts on it: a vLLM-Omni stage's deployment split
+        (``resplit``: the other stages' parts are planned around it) and the
+        device ledger (``past_startup_cap`` False: engines that start later
+        take this engine's recorded reservation off what they measure)."""
+        start = plan.effective_max_num_seqs
+        self.limit = max(1, start // RAMP_START_FRACTION) if self.follows_device else start
+        """The live limit (:meth:`observe`)."""
         self.bytes_limit = plan.effective_max_num_seqs
         """The startup value, lowered where the measured caches call for it; never raised."""
         self.memory_limit: int | None = None
-        """Where the device's free memory fell under the margin the plan kept
-        (:meth:`_watch_memory`): what fits what is free now; None while it has not."""
+        """What the devices hold at the sequences' measured cost
+        (:meth:`_watch_memory`); None while none was read."""
+        self.cost_per_seq: int | None = None
+        """The binding device's measured cost of one held sequence, at the last sample."""
         self.samples = 0
         self.samples_while_running = 0
         self.running = 0
@@ -437,70 +503,82 @@ class LiveMonitor:
         resplit = self._resplit()
         if self._excess_grew or resplit:
             self._correct(new)
-        self._watch_memory(samples, new)
+        watched = self._watch_memory(samples)
+        if self.follows_device and self.memory_limit is not None:
+            limit = self._ramp(min(self.memory_limit, self.ceiling))
+        else:
+            limit = min(self.bytes_limit, self.memory_limit or self.bytes_limit)
+        if watched is not None:
+            self._memory_finding(new, watched, limit)
         self.findings.extend(new)
-        limit = min(self.bytes_limit, self.memory_limit or self.bytes_limit)
         if self.plan.policy not in CORRECTING_POLICIES or limit == self.limit:
             return LiveUpdate(findings=new, limit=None)
         self.limit = limit
         return LiveUpdate(findings=new, limit=limit)
 
-    def _watch_memory(self, samples: list[WorkerSample], new: list[Finding]) -> None:
-        """The device itself: where a worker's device has less free than
-        the margin its plan kept, something nobody planned grew (the
-        engine, the API server, another process); the limit goes to what
-        fits what is free now, held + floor((free - margin) / sharers /
-        live per-sequence bytes), lower while the device stays short and
-        back up to :attr:`bytes_limit` as it recovers. Planned caches not
-        yet held are still free, so while nothing unplanned grows the
-        figure is the plan's own."""
+    def _ramp(self, target: int) -> int:
+        """Lower at once; rise at most to twice the sequences held
+        (:data:`RAMP_START_FRACTION`), and not while fewer are held than
+        the limit already allows."""
+        if target <= self.limit:
+            return target
+        return min(target, max(self.limit, 2 * self.held))
+
+    def _watch_memory(self, samples: list[WorkerSample]) -> _DeviceBound | None:
+        """What the devices hold, from what is free on them: for each rank
+        whose plan kept a margin of a measured headroom, the free memory at
+        the steps' peak (between steps, less the worker's excess above it,
+        :attr:`DeviceFree.peak_excess_bytes`), the measured cost of one held
+        sequence (what the device lost since startup per sequence held, and
+        never less than the live per-sequence bytes), and held + floor((free
+        at the peak - live margin) / cost). Sets :attr:`memory_limit` to the
+        smallest (None where no rank was read) and returns that rank's
+        figures."""
         bounds = []
         for sample in samples:
             worker = self.workers.get(sample.rank)
             if sample.free is None or worker is None or not worker.headroom.margin_bytes:
                 continue
-            margin, sharers = worker.headroom.margin_bytes, worker.headroom.sharers
-            surplus = (sample.free.free_bytes - margin) // sharers
-            per_seq = self.rank_per_seq_bytes(sample.rank)
-            if per_seq:
-                bound = self.held + surplus // per_seq
-                how = (f"held {self.held} + floor(({sample.free.free_bytes:,} B - margin {margin:,} B) / {sharers} / "
-                       f"live per-sequence {per_seq:,} B)")
-            elif surplus < 0:
-                bound = self.held
-                how = f"held {self.held} (free {sample.free.free_bytes:,} B under margin {margin:,} B)"
-            else:
-                continue
-            bounds.append((max(bound, 1), sample.rank, how, sample.free))
+            bounds.append(self._device_bound(sample.rank, worker.headroom, sample.free))
         if not bounds:
-            if self.memory_limit is not None:
-                self._memory_finding(new, "memory-recovered", None, None, None, None)
-            self.memory_limit = None
-            return
-        bound, rank, how, free = min(bounds, key=lambda b: b[0])
-        previous = self.memory_limit
-        if bound >= self.bytes_limit:
-            if previous is not None:
-                self._memory_finding(new, "memory-recovered", rank, how, free, self.bytes_limit)
-            self.memory_limit = None
-        elif previous is None or bound < previous:
-            self.memory_limit = bound
-            self._memory_finding(new, "memory-low", rank, how, free, bound)
-        else:
-            self.memory_limit = bound
+            self.memory_limit = self.cost_per_seq = None
+            return None
+        binding = min(bounds, key=lambda b: b.bound)
+        self.memory_limit, self.cost_per_seq = binding.bound, binding.cost
+        return binding
 
-    def _memory_finding(self, new: list[Finding], kind: str, rank: int | None, how: str | None,
-                        free: DeviceFree | None, limit: int | None) -> None:
-        acting = self.plan.policy in CORRECTING_POLICIES
-        if kind == "memory-low":
-            action = (f"live limit {self.limit} -> {limit}; running requests finish, new ones wait"
-                      if acting and limit < self.limit else f"what fits is {limit}; policy warn: nothing is changed")
-            message = (f"rank {rank}: the device has {free.free_bytes:,} B free ({free.source}), under the margin the "
-                       f"plan kept: {how} = {limit}: {action}")
+    def _device_bound(self, rank: int, headroom: Headroom, free: DeviceFree) -> _DeviceBound:
+        margin = live_margin_bytes(headroom)
+        excess = free.peak_excess_bytes or 0
+        lowest = free.free_bytes - excess
+        planned = headroom.sharers * self.rank_per_seq_bytes(rank)
+        grown = max((headroom.sampled_free_bytes or free.free_bytes) - lowest, 0)
+        measured = -(-grown // self.held) if self.held else 0
+        cost = max(planned, measured)
+        at_peak = f"{lowest:,} B free at the steps' peak ({free.free_bytes:,} B between steps - {excess:,} B above)"
+        if cost:
+            bound = self.held + (lowest - margin) // cost
+            how = (f"held {self.held} + floor(({at_peak} - live margin {margin:,} B) / {cost:,} B per sequence "
+                   f"[{grown:,} B used since startup / {self.held} held, at least {planned:,} B declared])")
         else:
-            where = f"rank {rank}: {how} >= {limit}" if how is not None else "no device short of its margin"
-            message = f"the device has room again ({where}): the live limit returns to {self.bytes_limit}"
-        new.append(Finding(kind=kind, rank=rank if rank is not None else 0, owner=None, bytes=0, message=message))
+            bound = self.held if lowest < margin else self.ceiling
+            how = f"nothing held or declared per sequence; {at_peak}, live margin {margin:,} B"
+        return _DeviceBound(rank=rank, bound=max(bound, 1), cost=cost or None, how=how, source=free.source)
+
+    def _memory_finding(self, new: list[Finding], device: _DeviceBound, limit: int) -> None:
+        """One finding where the device moved the live limit (or, under
+        ``warn``, would lower it)."""
+        acting = self.plan.policy in CORRECTING_POLICIES
+        if acting and limit < self.limit:
+            kind, action = "memory-low", f"live limit {self.limit} -> {limit}; running requests finish, new ones wait"
+        elif acting and limit > self.limit:
+            kind, action = "memory-room", f"live limit {self.limit} -> {limit} (at most twice the {self.held} held)"
+        elif not acting and device.bound < self.limit:
+            kind, action = "memory-low", f"what fits is {device.bound}; policy warn: nothing is changed"
+        else:
+            return
+        message = f"rank {device.rank}: the device ({device.source}): {device.how} = {device.bound}: {action}"
+        new.append(Finding(kind=kind, rank=device.rank, owner=None, bytes=0, message=message))
 
     def _observe_rank(self, sample: WorkerSample) -> list[Finding]:
         rank = sample.rank
@@ -679,6 +757,7 @@ class LiveMonitor:
         """A limit set outside the samples (a vLLM-Omni stage's final
         deployment split): the live limit stays at or under it."""
         self.bytes_limit = min(self.bytes_limit, limit)
+        self.ceiling = min(self.ceiling, limit)
         self.limit = min(self.limit, limit)
 
     def _correct(self, new: list[Finding]) -> int | None:
@@ -747,7 +826,8 @@ class LiveMonitor:
             samples=self.samples,
             running_sequences=self.running, held_sequences=self.held, completed_requests=self.completed,
             startup_max_num_seqs=self.plan.effective_max_num_seqs, limit=self.limit, bytes_limit=self.bytes_limit,
-            memory_limit=self.memory_limit, corrections=self.corrections,
+            memory_limit=self.memory_limit, ceiling=self.ceiling, cost_per_seq_bytes=self.cost_per_seq,
+            corrections=self.corrections,
             last_sample_seconds=self.last_sample_seconds, sample_seconds_total=self.sample_seconds_total,
             steps=self.steps, step_seconds_total=self.step_seconds_total, hook_seconds_total=self.hook_seconds_total,
             watched_steps=self.watched_steps, watched_step_seconds_total=self.watched_step_seconds_total,

@@ -238,7 +238,7 @@ METRICS: tuple[MetricSpec, ...] = (
           (*DEVICE_LABELS, "binding")),
     _spec("live_findings",
           f"Live findings of each kind (under-declared, declared-but-absent, leak, limit-lowered, nothing-fits, "
-          f"memory-low, memory-recovered) "
+          f"memory-low, memory-room) "
           f"since the engine started, each logged once as a warning, {_LIVE}.", (*ENGINE_LABELS, "kind")),
 )
 """Every gauge the stat logger publishes."""
