@@ -32,7 +32,7 @@ from kv_budget.units import format_bytes, parse_byte_size
 from kv_budget_demo.checkpoint import write_demo_checkpoint
 from kv_budget_demo.demo import DemoServer
 from kv_budget_demo.demo import main as demo_main
-from kv_budget_demo.memory_limit import MemoryCgroup, cgroup_unavailable
+from kv_budget_demo.memory_limit import MemoryCgroup, ProcessPeaks, cgroup_unavailable
 from kv_budget_demo.serving import ServerStartError, send_completions
 
 __all__ = ["DEFAULT_ROOM", "DEFAULT_POSITIONS", "run_under_limit", "main"]
@@ -44,13 +44,16 @@ DEFAULT_POSITIONS = 2048
 
 
 def run_under_limit(policy: str, checkpoint: Path, run_dir: Path, requests: int, limit: int | None,
-                    room: int, flags: tuple[str, ...] = ()) -> dict:
+                    room: int, flags: tuple[str, ...] = (), max_num_seqs: int = 256) -> dict:
     """One api_server in its own memory cgroup, 256 requests, the figures.
     ``limit`` None: set ``room`` above the usage after startup (``off``);
-    ``flags``: more plugin flags (``--model-local-kv-margin``)."""
+    ``flags``: more plugin flags (``--model-local-kv-margin``);
+    ``max_num_seqs``: the server's own (an operator's figure by hand).
+    ``processes`` in the result: each process's growth during the load
+    (:class:`~kv_budget_demo.memory_limit.ProcessPeaks`)."""
     flags = ["--model-local-kv-policy", policy, "--model-local-kv-ledger-dir", "off", *flags]
     group = MemoryCgroup.create(f"kv-budget-demo-{policy}", limit)
-    run = DemoServer.create(checkpoint, run_dir, flags)
+    run = DemoServer.create(checkpoint, run_dir, flags, max_num_seqs=max_num_seqs)
     run.server.command_prefix = group.command_prefix()
     result: dict = {"policy": policy}
     try:
@@ -65,13 +68,18 @@ def run_under_limit(policy: str, checkpoint: Path, run_dir: Path, requests: int,
             limit = startup_usage + room
             group.set_limit(limit)
         group.reset_peak()
+        processes = ProcessPeaks(group)
+        processes.start()
         load = send_completions(run.server.url, str(checkpoint), requests=requests)
         result.update(started=True, limit_bytes=limit, startup_usage_bytes=startup_usage, peak_usage_bytes=group.peak(),
                       oom_kills=group.oom_kills(), requests=requests, completed=load.completed, failed=load.failed,
-                      seconds=round(load.seconds, 1), errors=load.errors[:2])
+                      seconds=round(load.seconds, 1), errors=load.errors[:2], processes=processes.stop(),
+                      server_max_num_seqs=max_num_seqs)
     finally:
         run.server.stop()
         group.remove()
+    # How often kv-budget's live watch found the group short of its margin and lowered the limit.
+    result["live_limit_lowered"] = run.server.log_text().count("under the margin the plan kept")
     report = run.report()
     if report is not None:
         result.update(max_num_seqs=report["effective_max_num_seqs"], headroom_bytes=report["headroom_bytes"],

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kv_budget.sample.device import cgroup_memory
 
-__all__ = ["MemoryCgroup", "cgroup_unavailable"]
+__all__ = ["MemoryCgroup", "ProcessPeaks", "cgroup_unavailable"]
 
 
 @dataclass
@@ -117,6 +118,67 @@ class MemoryCgroup:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
+
+
+def _anonymous_rss(pid: int) -> tuple[str, int] | None:
+    """(command name, anonymous resident bytes) of a live process; None once it is gone."""
+    try:
+        name = Path(f"/proc/{pid}/comm").read_text().strip()
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return name, int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+@dataclass
+class ProcessPeaks:
+    """Where a group's memory went: each process's anonymous resident bytes
+    (``RssAnon``, what the group is charged for besides page cache) when
+    :meth:`start` is called and at its largest until :meth:`stop`, sampled
+    every ``interval`` seconds, by command name (vLLM names its processes:
+    ``VLLM::EngineCore``, ``VLLM::Worker_TP0``; the API server is
+    ``vllm`` or ``python``)."""
+
+    group: MemoryCgroup
+    interval: float = 0.25
+    start_bytes: dict[str, int] = field(default_factory=dict)
+    peak_bytes: dict[str, int] = field(default_factory=dict)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def _read(self) -> dict[str, int]:
+        figures: dict[str, int] = {}
+        for pid in self.group.pids():
+            found = _anonymous_rss(pid)
+            if found is not None:
+                figures[found[0]] = figures.get(found[0], 0) + found[1]
+        return figures
+
+    def start(self) -> None:
+        self.start_bytes = self._read()
+        self.peak_bytes = dict(self.start_bytes)
+        self._thread = threading.Thread(target=self._run, name="process-peaks", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                figures = self._read()
+            except OSError:  # the group is being removed
+                return
+            for name, rss in figures.items():
+                self.peak_bytes[name] = max(self.peak_bytes.get(name, 0), rss)
+
+    def stop(self) -> dict[str, dict[str, int]]:
+        """Per process name: its bytes at the start, at the peak, and the growth."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        return {name: {"start_bytes": self.start_bytes.get(name, 0), "peak_bytes": peak,
+                       "growth_bytes": peak - self.start_bytes.get(name, 0)}
+                for name, peak in sorted(self.peak_bytes.items())}
 
 
 def cgroup_unavailable() -> str | None:
