@@ -22,6 +22,7 @@ from kv_budget.watch.live import (
     DEAD_AFTER_COMPLETED,
     DeviceFree,
     MAX_SAMPLING_FRACTION,
+    first_admission,
     live_margin_bytes,
     LiveMonitor,
     WorkerSample,
@@ -239,76 +240,68 @@ def held(stage: Stage, count: int) -> None:
         stage.talker.start(f"r{i}")
 
 
-def test_under_cap_with_a_measured_headroom_admission_starts_low_and_follows_what_the_device_holds():
+def test_under_cap_with_a_measured_headroom_the_limit_follows_what_the_device_holds():
     """The plan's 10 rests on a guess of what the engine adds under load.
-    The live limit starts at a quarter of it, at most doubles per sample
-    while the device shows room, and goes to what fits at the sequences'
-    measured cost: held + floor((free at the steps' peak - margin) / cost)."""
+    Admission starts at what the default margin admits (here none: the
+    test device's default margin dwarfs it, so 1), and once as many are
+    held as the limit allows goes to what fits at the sequences' measured
+    cost: held + floor((free at the steps' peak - margin) / cost)."""
     stage = Stage(RequestTalker())
     plan = measured_plan(stage, MARGIN + 10 * ROW_BYTES)
     assert plan.effective_max_num_seqs == 10
     monitor, scanner = LiveMonitor(plan), HeldBytes(stage, ["talker"])
-    assert monitor.follows_device and monitor.limit == 2 and monitor.ceiling == 256
-    held(stage, 2)
-    first = monitor.observe(device_sample(stage, scanner, MARGIN + 8 * ROW_BYTES), running=2, finished_unfreed=0,
+    assert monitor.follows_device and monitor.limit == first_admission(plan) == 1 and monitor.ceiling == 256
+    held(stage, 1)
+    first = monitor.observe(device_sample(stage, scanner, MARGIN + 9 * ROW_BYTES), running=1, finished_unfreed=0,
                             completed=0, now=0.0)
     (finding,) = first.findings
-    assert finding.kind == "memory-room" and first.limit == monitor.limit == 4  # 10 fit; twice the 2 held
-    assert (f"held 2 + floor(({MARGIN + 8 * ROW_BYTES:,} B free at the steps' peak ({MARGIN + 8 * ROW_BYTES:,} B "
-            f"between steps - 0 B above) - live margin {MARGIN:,} B) / {ROW_BYTES:,} B per sequence "
-            f"[{2 * ROW_BYTES:,} B used since startup / 2 held, at least {ROW_BYTES:,} B declared]) = 10") \
-        in finding.message
-    held(stage, 4)
-    assert monitor.observe(device_sample(stage, scanner, MARGIN + 6 * ROW_BYTES), running=4, finished_unfreed=0,
-                           completed=0, now=1.0).limit == 8
+    assert finding.kind == "memory-room" and first.limit == monitor.limit == 10  # straight to what fits
+    assert (f"held 1 + floor(({MARGIN + 9 * ROW_BYTES:,} B free at the steps' peak ({MARGIN + 9 * ROW_BYTES:,} B "
+            f"between steps - 0 B above) - live margin {MARGIN:,} B) / {ROW_BYTES:,} B per sequence") in finding.message
     held(stage, 8)
     assert monitor.observe(device_sample(stage, scanner, MARGIN + 2 * ROW_BYTES), running=8, finished_unfreed=0,
-                           completed=0, now=2.0).limit == 10 == monitor.memory_limit
+                           completed=0, now=1.0).limit is None  # 10 still
     # Something the plan never saw takes two rows' worth: each held sequence now costs 10/8 of a row.
     short = monitor.observe(device_sample(stage, scanner, MARGIN), running=8, finished_unfreed=0, completed=0,
-                            now=3.0)
+                            now=2.0)
     assert [f.kind for f in short.findings] == ["memory-low"] and short.limit == monitor.limit == 8
     assert monitor.cost_per_seq == -(-10 * ROW_BYTES // 8)
     # The same seen only at the steps' peak (the worker's excess over what it holds between steps): the same bound.
     peak = monitor.observe(device_sample(stage, scanner, MARGIN + 2 * ROW_BYTES, peak_excess=2 * ROW_BYTES),
-                           running=8, finished_unfreed=0, completed=0, now=4.0)
+                           running=8, finished_unfreed=0, completed=0, now=3.0)
     assert peak.findings == [] and peak.limit is None and monitor.limit == 8
+    # The load drains: the cost measured with the most held stays, so the next burst is not let in as if free.
+    stage.talker.caches.clear()
+    idle = monitor.observe(device_sample(stage, scanner, MARGIN + 8 * ROW_BYTES), running=0, finished_unfreed=0,
+                           completed=8, now=4.0)
+    assert monitor.cost_per_seq == -(-10 * ROW_BYTES // 8) and monitor.memory_limit == 6 and idle.limit == 6
 
 
 def test_the_default_margin_is_kept_only_in_part_while_serving_and_the_limit_may_pass_the_startup_cap():
     """The default margin stands for what startup could not measure; once
     the sequences' cost is measured the watch keeps an eighth of it (at
     least 64 MiB), so the live limit may go past the startup cap, up to the
-    configured max_num_seqs."""
+    configured max_num_seqs. A smaller margin of the operator's is kept
+    whole, and admission starts at what the default one admits."""
     stage = Stage(RequestTalker())
     free = 1024**3 + 100 * ROW_BYTES
     headroom = headroom_from_free(free, 4 * 1024**3, "test device")  # the default margin: 1 GiB
-    assert headroom.margin_bytes == 1024**3 and not headroom.margin_given
+    assert headroom.margin_bytes == headroom.default_margin_bytes == 1024**3 and not headroom.margin_given
     margin = live_margin_bytes(headroom)
     assert margin == 128 * 1024**2
     plan = make_plan([budget_worker(collect_model_local_kv_specs(stage), headroom, max_num_seqs=256)], 256, "cap")
     assert plan.effective_max_num_seqs == 100
     monitor, scanner = LiveMonitor(plan), HeldBytes(stage, ["talker"])
-    assert monitor.limit == 25
-    held(stage, 20)
-    update = monitor.observe(device_sample(stage, scanner, free - 20 * ROW_BYTES), running=20, finished_unfreed=0,
+    assert monitor.limit == 100  # the default margin's own cap
+    held(stage, 100)
+    update = monitor.observe(device_sample(stage, scanner, free - 100 * ROW_BYTES), running=100, finished_unfreed=0,
                              completed=0, now=0.0)
-    assert monitor.memory_limit == 20 + (free - 20 * ROW_BYTES - margin) // ROW_BYTES > 256
-    assert update.limit == 40  # twice the held
-    held(stage, 40)
-    update = monitor.observe(device_sample(stage, scanner, free - 40 * ROW_BYTES), running=40, finished_unfreed=0,
-                             completed=0, now=1.0)
-    assert update.limit == 80
-    held(stage, 80)
-    update = monitor.observe(device_sample(stage, scanner, free - 80 * ROW_BYTES), running=80, finished_unfreed=0,
-                             completed=0, now=2.0)
-    assert update.limit == 160 > plan.effective_max_num_seqs  # past the startup cap
-    held(stage, 160)
-    update = monitor.observe(device_sample(stage, scanner, free - 160 * ROW_BYTES), running=160, finished_unfreed=0,
-                             completed=0, now=3.0)
-    assert update.limit == 256 == monitor.ceiling  # never past the configured max_num_seqs
-    given = headroom_from_free(free, 4 * 1024**3, "test device", 1024**3)
-    assert given.margin_given and live_margin_bytes(given) == 1024**3  # the operator's margin is kept whole
+    assert monitor.memory_limit == 100 + (free - 100 * ROW_BYTES - margin) // ROW_BYTES > 256
+    assert update.limit == 256 == monitor.ceiling  # past the startup cap, never past the configured max_num_seqs
+    small = headroom_from_free(free, 4 * 1024**3, "test device", 64 * 1024**2)
+    assert small.margin_given and live_margin_bytes(small) == 64 * 1024**2  # the operator's margin is kept whole
+    plan = make_plan([budget_worker(collect_model_local_kv_specs(stage), small, max_num_seqs=256)], 256, "cap")
+    assert plan.effective_max_num_seqs == 256 and first_admission(plan) == 100
 
 
 def test_warn_reports_what_the_device_holds_and_changes_nothing():
@@ -338,11 +331,10 @@ def test_workers_sharing_the_device_split_what_is_free():
     plan = measured_plan(stage, MARGIN + 20 * ROW_BYTES, sharers=2)
     assert plan.effective_max_num_seqs == 10
     monitor, scanner = LiveMonitor(plan), HeldBytes(stage, ["talker"])
-    held(stage, 2)
-    update = monitor.observe(device_sample(stage, scanner, MARGIN + 16 * ROW_BYTES), running=2, finished_unfreed=0,
+    held(stage, 1)
+    update = monitor.observe(device_sample(stage, scanner, MARGIN + 18 * ROW_BYTES), running=1, finished_unfreed=0,
                              completed=0, now=0.0)
-    assert monitor.cost_per_seq == 2 * ROW_BYTES and monitor.memory_limit == 2 + 16 // 2 == 10
-    assert update.limit == 4  # twice the held, on the way
+    assert monitor.cost_per_seq == 2 * ROW_BYTES and update.limit == monitor.memory_limit == 1 + 18 // 2 == 10
 
 
 def test_under_declaration_under_warn_is_reported_and_changes_nothing():
@@ -444,5 +436,5 @@ def test_where_others_count_on_the_startup_figure_the_limit_follows_the_device_o
     ledgered = LiveMonitor(plan, past_startup_cap=False)
     split = LiveMonitor(plan, resplit=lambda per_seq, fixed: None)
     for monitor in (ledgered, split):
-        assert monitor.follows_device and monitor.limit == 2 and monitor.ceiling == 10
+        assert monitor.follows_device and monitor.limit == 1 and monitor.ceiling == 10
     assert LiveMonitor(plan).ceiling == 256

@@ -105,6 +105,10 @@ class Headroom(BaseModel):
     margin_given: bool = False
     """Whether the operator set the margin (``--model-local-kv-margin``):
     the live watch then keeps all of it (:func:`kv_budget.watch.live.live_margin_bytes`)."""
+    default_margin_bytes: int = 0
+    """The default margin on this device (:func:`default_margin_bytes`):
+    where the operator's is smaller, the live limit starts at what the
+    default one admits (:class:`kv_budget.watch.live.LiveMonitor`)."""
     sharers: int = 1
     """Workers drawing on the same memory, which split it evenly."""
     reserved_by_others_bytes: int = 0
@@ -132,6 +136,7 @@ def headroom_from_free(
         sampled_free_bytes=free_bytes,
         margin_bytes=margin,
         margin_given=margin_bytes is not None,
+        default_margin_bytes=default_margin_bytes(total_bytes),
         sharers=sharers,
     )
 

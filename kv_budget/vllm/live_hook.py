@@ -270,20 +270,28 @@ class LiveHook:
     def _start(self, core: Any) -> None:
         """Before the first step: the workers count their peak from here,
         and a monitor that follows the device starts its limit below the
-        startup cap (:data:`kv_budget.watch.live.RAMP_START_FRACTION`)."""
+        startup cap where the operator's margin is smaller than the default
+        one (:func:`kv_budget.watch.live.first_admission`)."""
         self.started = True
         if self.watch_device:
             try:
                 core.collective_rpc(start_peak_on_worker)
             except Exception as exc:  # noqa: BLE001 - the watch then reads each first peak from startup on
                 logger.warning("kv-budget: live: the workers could not start counting their peaks: %s", exc)
-        if self.monitor.follows_device and self.monitor.limit < self.monitor.plan.effective_max_num_seqs:
-            self.limit_applied = apply_limit(core.scheduler, self.monitor.limit)
+        monitor = self.monitor
+        if not monitor.follows_device:
+            return
+        cap = monitor.plan.effective_max_num_seqs
+        if monitor.limit < cap:
+            self.limit_applied = apply_limit(core.scheduler, monitor.limit)
             logger.warning(
-                "kv-budget: live: admission starts at %d of the startup cap %d and follows the device from the "
-                "first sample, up to max_num_seqs %d (Scheduler.%s %d)", self.monitor.limit,
-                self.monitor.plan.effective_max_num_seqs, self.monitor.ceiling,
-                checked_vllm().features.admission_limit, self.limit_applied)
+                "kv-budget: live: admission starts at %d, what the default margin admits, of the startup cap %d "
+                "(the operator's margin is smaller) and follows the device from the first sample, up to %d "
+                "(Scheduler.%s %d)", monitor.limit, cap, monitor.ceiling, checked_vllm().features.admission_limit,
+                self.limit_applied)
+        else:
+            logger.info("kv-budget: live: admission starts at the startup cap %d and follows the device from the "
+                        "first sample, up to %d", cap, monitor.ceiling)
 
     def _stop_step_peaks(self, why: str) -> None:
         self.monitor.step_peaks = False

@@ -193,8 +193,8 @@ METRICS: tuple[MetricSpec, ...] = (
           f"Most model-local bytes this worker held at once at any sample, inside a step or after it, {_LIVE}.",
           RANK_LABELS),
     _spec("live_peak_bytes_within_limit",
-          f"Most bytes held at a sample taken while no more sequences ran than the live limit: what the "
-          f"correction keeps within the headroom, {_LIVE}.", RANK_LABELS),
+          f"Most bytes held at a sample taken while no more sequences ran than the live limit it left in force: "
+          f"what the correction keeps within the headroom, {_LIVE}.", RANK_LABELS),
     _spec("live_per_sequence_bytes",
           f"Declared per-sequence bytes plus the largest per-sequence excess any owner was measured holding, "
           f"{_LIVE}; equals per_sequence_bytes while every declaration holds.", RANK_LABELS),
