@@ -53,10 +53,14 @@ HERE = Path(__file__).resolve().parent
 REQUESTS = 256
 
 
-def run_server(checkpoint: Path, work: Path, interval: float, step_peaks: bool, rounds: int, max_tokens: int) -> dict:
+def run_server(checkpoint: Path, work: Path, interval: float, step_peaks: bool, rounds: int, max_tokens: int,
+               measured: bool = False) -> dict:
     label = "off" if interval == 0 else f"on ({interval:g} s), step peaks {'on' if step_peaks else 'off'}"
     status_dir = work / "status"
-    flags = ["--model-local-kv-policy", "warn", "--model-local-kv-headroom", str(512 * MiB),
+    # Measured: the headroom from the host's memory less a margin, so every sample also reads the
+    # device and the worker's peak (what the live watch of a measured headroom costs).
+    room = ["--model-local-kv-margin", str(64 * MiB)] if measured else ["--model-local-kv-headroom", str(512 * MiB)]
+    flags = ["--model-local-kv-policy", "warn", *room,
              "--model-local-kv-ledger-dir", "off", "--model-local-kv-sample-interval", str(interval),
              "--model-local-kv-step-peaks", "on" if step_peaks else "off"]
     run = DemoServer.create(checkpoint, work, flags)
@@ -106,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interval", type=float, default=DEFAULT_SAMPLE_INTERVAL_S,
                         help=f"sample interval of the 'on' server in seconds (default {DEFAULT_SAMPLE_INTERVAL_S:g})")
     parser.add_argument("--rounds", type=int, default=3, help="loads of 256 requests per server (default 3)")
+    parser.add_argument("--measured-headroom", action="store_true",
+                        help="measure the headroom (a 64 MiB margin) instead of giving it: "
+                        "every sample also reads the device and the worker's peak")
     parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default 64)")
     parser.add_argument("--lifetime", choices=("step", "request"), default="step",
                         help="the talker's rows: built each step (default) or kept per request")
@@ -115,9 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work)
     checkpoint = write_demo_checkpoint(work / "checkpoint", {**DEFAULT_TALKER, "lifetime": args.lifetime})
     start = time.time()
-    watched = run_server(checkpoint, work / "watched", args.interval, True, args.rounds, args.max_tokens)
-    between = run_server(checkpoint, work / "between", args.interval, False, args.rounds, args.max_tokens)
-    off = run_server(checkpoint, work / "off", 0, True, args.rounds, args.max_tokens)
+    watched = run_server(checkpoint, work / "watched", args.interval, True, args.rounds, args.max_tokens,
+                         args.measured_headroom)
+    between = run_server(checkpoint, work / "between", args.interval, False, args.rounds, args.max_tokens,
+                         args.measured_headroom)
+    off = run_server(checkpoint, work / "off", 0, True, args.rounds, args.max_tokens,
+                     args.measured_headroom)
     servers = (watched, between, off)
     for r in servers:
         r["side_by_side_step_time_change"] = r["median_seconds_per_step"] / off["median_seconds_per_step"] - 1
@@ -141,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_tokens": args.max_tokens,
         "rounds": args.rounds,
         "lifetime": args.lifetime,
+        "measured_headroom": args.measured_headroom,
         "step_peaks_on": watched,
         "step_peaks_off": between,
         "off": off,

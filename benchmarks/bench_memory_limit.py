@@ -10,16 +10,18 @@ completions:
    plus the room is the limit, the same absolute figure for every run of
    the configuration;
 2. ``cap`` with default settings (headroom measured from the cgroup, the
-   default margin, live watch on);
+   default margin, live watch on), then with an operator's small margin
+   (``--small-margin``, 128 MiB);
 3. the operator: stock vLLM with ``--max-num-seqs N``, bisected between the
-   largest figure known to survive (kv-budget's own cap where it served
+   largest figure known to survive (kv-budget's startup cap where it served
    every request: the same sequences in flight on the same engine) and the
    smallest known to fail (256 where ``off`` failed). A run survives when
    all 256 requests complete with no OOM kill.
 
 It prints, per configuration, the limit, each run's peak usage, OOM kills
 and requests completed, where the memory went (each process's growth
-during the load), and kv-budget's limit against the operator's figure.
+during the load), and kv-budget's limit (the largest live limit it applied,
+else its startup cap) against the operator's figure.
 
     .venv/bin/python benchmarks/bench_memory_limit.py                      # JSON into benchmarks/results/
     .venv/bin/python benchmarks/bench_memory_limit.py --configs 2048:1.6GB --bisect-steps 3
@@ -52,15 +54,24 @@ def _line(label: str, run: dict) -> str:
     if not run.get("started"):
         return f"  {label:<22} did not start ({run.get('error', '')[:120]}); OOM kills {run.get('oom_kills')}"
     seqs = run.get("max_num_seqs", run.get("server_max_num_seqs"))
+    live = f" (live limit up to {run['live_limit_max']}, {run['peak_sequences']} at once)" if run.get(
+        "live_limit_max") else f" ({run.get('peak_sequences')} at once)"
     growth = ", ".join(f"{name} +{format_bytes(p['growth_bytes'])}" for name, p in run["processes"].items()
                        if p["growth_bytes"] > 16 << 20)
-    return (f"  {label:<22} max_num_seqs {seqs:>3}: peak {format_bytes(run['peak_usage_bytes'] or 0):>10} of "
+    return (f"  {label:<22} max_num_seqs {seqs:>3}{live}: peak {format_bytes(run['peak_usage_bytes'] or 0):>10} of "
             f"{format_bytes(run['limit_bytes'])}, OOM kills {run['oom_kills']}, {run['completed']}/{run['requests']} "
             f"completed, {run['seconds']} s; grew: {growth or 'nothing over 16 MiB'}")
 
 
-def run_config(work: Path, positions: int, room: int, requests: int, bisect_steps: int) -> dict:
-    """One configuration: stock, kv-budget, then the operator's bisection."""
+def kv_budget_figure(run: dict) -> int | None:
+    """kv-budget's limit in a run: the largest live limit it applied, else its startup cap."""
+    return run.get("live_limit_max") or run.get("max_num_seqs")
+
+
+def run_config(work: Path, positions: int, room: int, requests: int, bisect_steps: int,
+               small_margin: str | None) -> dict:
+    """One configuration: stock, kv-budget (default settings, then an
+    operator's small margin), then the operator's bisection."""
     name = f"p{positions}-r{room}"
     checkpoint = write_demo_checkpoint(work / name / "checkpoint", {"positions": positions})
     per_seq = talker_bytes_per_row({**DEFAULT_TALKER, "positions": positions})
@@ -75,7 +86,12 @@ def run_config(work: Path, positions: int, room: int, requests: int, bisect_step
     cap = run_under_limit("cap", checkpoint, work / name / "cap", requests, limit, room)
     print(_line("kv-budget cap", cap), flush=True)
     result["cap"] = cap
-    good = cap.get("max_num_seqs") if survived(cap, requests) else 0
+    if small_margin:
+        small = run_under_limit("cap", checkpoint, work / name / "cap-small-margin", requests, limit, room,
+                                ("--model-local-kv-margin", small_margin))
+        print(_line(f"kv-budget, {small_margin}", small), flush=True)
+        result["cap_small_margin"] = {"margin": small_margin, **small}
+    good = (cap.get("max_num_seqs") or 0) if survived(cap, requests) else 0
     bad = requests if not survived(off, requests) else None
     probes = []
     if bad is not None:
@@ -91,10 +107,11 @@ def run_config(work: Path, positions: int, room: int, requests: int, bisect_step
                 good = trial
             else:
                 bad = trial
+    figure = kv_budget_figure(cap) if survived(cap, requests) else 0
     result.update(operator_probes=probes, operator_max_num_seqs=good, operator_first_failing=bad,
-                  kv_budget_max_num_seqs=cap.get("max_num_seqs"), kv_budget_served=survived(cap, requests))
+                  kv_budget_max_num_seqs=figure, kv_budget_served=survived(cap, requests))
     if good:
-        result["kv_budget_of_operator"] = round((cap.get("max_num_seqs") or 0) / good, 3)
+        result["kv_budget_of_operator"] = round((figure or 0) / good, 3)
     return result
 
 
@@ -104,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"positions:room pairs, comma separated (default {DEFAULT_CONFIGS})")
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--bisect-steps", type=int, default=4)
+    parser.add_argument("--small-margin", default="128MiB",
+                        help="also run kv-budget with this --model-local-kv-margin ('' skips it; default 128MiB)")
     parser.add_argument("--out", default=str(HERE / "out" / "memory_limit"))
     parser.add_argument("--results", default=str(HERE / "results" / "memory_limit.json"))
     args = parser.parse_args(argv)
@@ -116,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
                 "configs": []}
     for text in args.configs.split(","):
         positions, _, room = text.partition(":")
-        config = run_config(work, int(positions), parse_byte_size(room), args.requests, args.bisect_steps)
+        config = run_config(work, int(positions), parse_byte_size(room), args.requests, args.bisect_steps,
+                            args.small_margin or None)
         document["configs"].append(config)
         if "operator_max_num_seqs" in config:
             print(f"  kv-budget {config['kv_budget_max_num_seqs']} (served every request: "

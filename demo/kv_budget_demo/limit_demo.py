@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -78,8 +79,10 @@ def run_under_limit(policy: str, checkpoint: Path, run_dir: Path, requests: int,
     finally:
         run.server.stop()
         group.remove()
-    # How often kv-budget's live watch found the group short of its margin and lowered the limit.
-    result["live_limit_lowered"] = run.server.log_text().count("under the margin the plan kept")
+    # What kv-budget's live limit did (its log lines), and what the demo model really ran at once.
+    limits = [int(n) for n in re.findall(r"kv-budget: live: Scheduler\.\w+ (\d+) \(live limit", run.server.log_text())]
+    result.update(live_limit_max=max(limits, default=None), live_limit_changes=len(limits),
+                  peak_sequences=run.peak()[1])
     report = run.report()
     if report is not None:
         result.update(max_num_seqs=report["effective_max_num_seqs"], headroom_bytes=report["headroom_bytes"],
@@ -92,6 +95,8 @@ def _line(result: dict) -> str:
         return (f"[demo-limit] {result['policy']}: did not start ({result.get('error')}), "
                 f"OOM kills {result['oom_kills']}")
     capped = f", max_num_seqs {result['max_num_seqs']}" if "max_num_seqs" in result else ", max_num_seqs 256"
+    if result.get("live_limit_max"):
+        capped += f", live limit up to {result['live_limit_max']}"
     peak = result["peak_usage_bytes"]
     return (f"[demo-limit] {result['policy']:>3}: limit {format_bytes(result['limit_bytes'])}, after startup "
             f"{format_bytes(result['startup_usage_bytes'])}, peak {format_bytes(peak) if peak else 'not kept'}"
