@@ -8,8 +8,12 @@ server uses after startup (``kv_budget_demo.limit_demo``, ``make
 demo-limit``). Stock vLLM (policy ``off``) takes the group past its limit
 and is killed or fails requests; under ``cap``, with no headroom given,
 kv-budget plans on what the cgroup leaves (page cache it can reclaim not
-counted as used) and serves all 256 with its peak under the limit. Skipped,
-with the reason, only where no memory cgroup can be made.
+counted as used) and serves all 256 with its peak under the limit. A
+second checkpoint, 1 MiB per sequence under a limit 0.4 GB above the same
+startup usage, has less free than the default 1 GiB margin: kv-budget
+starts at one sequence instead of refusing, and the live watch raises the
+limit to what the device holds. Skipped, with the reason, only where no
+memory cgroup can be made.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ pytestmark = pytest.mark.engine
 
 REQUESTS = 256
 ROOM = parse_byte_size(DEFAULT_ROOM)
+SCARCE_POSITIONS, SCARCE_ROOM = 256, 400_000_000
+"""1 MiB per sequence; 0.4 GB left above startup, less than the default margin."""
 PER_SEQ = talker_bytes_per_row({**DEFAULT_TALKER, "positions": DEFAULT_POSITIONS})
 """8,454,144 B: 8 MiB of talker rows and the postnet's."""
 
@@ -40,6 +46,16 @@ def runs(tmp_path_factory):
     assert off["started"], off
     cap = run_under_limit("cap", checkpoint, work / "cap", REQUESTS, off["limit_bytes"], ROOM)
     return off, cap
+
+
+@pytest.fixture(scope="module")
+def scarce(runs, tmp_path_factory):
+    """kv-budget on 1 MiB sequences where less is free than the default margin."""
+    off, _ = runs
+    work = tmp_path_factory.mktemp("memory-limit-scarce")
+    checkpoint = write_demo_checkpoint(work / "checkpoint", {"positions": SCARCE_POSITIONS})
+    limit = off["startup_usage_bytes"] + SCARCE_ROOM
+    return run_under_limit("cap", checkpoint, work / "cap", REQUESTS, limit, SCARCE_ROOM)
 
 
 def test_the_room_above_startup_does_not_hold_256_sequences():
@@ -66,3 +82,11 @@ def test_kv_budget_planned_on_what_the_cgroup_leaves(runs):
     assert "memory.stat" in cap["headroom_source"]  # says whether the page cache was counted
     # The cap is what the measured headroom holds of the talker's sequences (no fixed part in the demo).
     assert cap["max_num_seqs"] == min(REQUESTS, cap["headroom_bytes"] // PER_SEQ), cap
+
+
+def test_less_free_than_the_default_margin_starts_at_one_and_the_live_watch_admits_more(scarce):
+    assert scarce["started"] and scarce["headroom_bytes"] == 0, scarce  # the default margin leaves nothing
+    assert scarce["max_num_seqs"] == 1, scarce  # one sequence until measured, not a refusal
+    assert scarce["live_limit_max"] > 1 and scarce["peak_sequences"] > 1, scarce
+    assert scarce["oom_kills"] == 0 and scarce["completed"] == REQUESTS, scarce
+    assert scarce["peak_usage_bytes"] < scarce["limit_bytes"], scarce

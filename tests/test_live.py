@@ -14,7 +14,7 @@ from kv_budget.audit import audit_module
 from kv_budget.collect.model import collect_model_local_kv_specs
 from kv_budget.declare.hf_config import spec_from_hf_config
 from kv_budget.declare.spec import RowDriver, Scope
-from kv_budget.plan.planner import budget_worker, headroom_from_free, headroom_override, make_plan
+from kv_budget.plan.planner import budget_worker, headroom_from_free, headroom_override, live_margin_bytes, make_plan
 from kv_budget.sample.caches import HeldBytes
 from kv_budget.sample.in_step import InStepPeaks
 from kv_budget.settings import Policy
@@ -23,7 +23,6 @@ from kv_budget.watch.live import (
     DeviceFree,
     MAX_SAMPLING_FRACTION,
     first_admission,
-    live_margin_bytes,
     LiveMonitor,
     WorkerSample,
     owner_expectations,
@@ -275,6 +274,23 @@ def test_under_cap_with_a_measured_headroom_the_limit_follows_what_the_device_ho
     idle = monitor.observe(device_sample(stage, scanner, MARGIN + 8 * ROW_BYTES), running=0, finished_unfreed=0,
                            completed=8, now=4.0)
     assert monitor.cost_per_seq == -(-10 * ROW_BYTES // 8) and monitor.memory_limit == 6 and idle.limit == 6
+
+
+def test_a_start_at_one_sequence_rises_to_what_the_device_holds_at_the_first_sample():
+    """Less is free than the default margin: the plan starts at one
+    sequence (the live margin leaves room), and the first sample with it
+    held takes the limit to what the device holds, past the startup figure
+    up to the configured max_num_seqs."""
+    stage = Stage(RequestTalker())
+    free = 128 * 1024**2 + 40 * ROW_BYTES
+    plan = measured_plan(stage, free, margin=None)
+    assert plan.headroom_bytes == 0 and plan.effective_max_num_seqs == 1
+    monitor, scanner = LiveMonitor(plan), HeldBytes(stage, ["talker"])
+    assert monitor.limit == 1 and monitor.ceiling == 256
+    held(stage, 1)
+    update = monitor.observe(device_sample(stage, scanner, free - ROW_BYTES), running=1, finished_unfreed=0,
+                             completed=0, now=0.0)
+    assert update.limit == 1 + (free - ROW_BYTES - 128 * 1024**2) // ROW_BYTES == 40
 
 
 def test_the_default_margin_is_kept_only_in_part_while_serving_and_the_limit_may_pass_the_startup_cap():

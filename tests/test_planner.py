@@ -17,7 +17,9 @@ from kv_budget.plan.planner import (
     headroom_from_free,
     headroom_outside_requested,
     headroom_override,
+    live_margin_bytes,
     make_plan,
+    shared_budget,
 )
 from kv_budget.report import infeasible_message, render_plan_table, summary_line
 from kv_budget.settings import Policy
@@ -86,6 +88,33 @@ def test_not_one_sequence_is_infeasible_under_cap_only():
     assert make_plan([w], 256, "warn").decision is Decision.WARNED
     message = infeasible_message(make_plan([w], 256, "cap"))
     assert f"{100 * ROW:,} B" in message and f"{100 * ROW - 1:,} B" in message and "m/kv" in message
+
+
+def test_a_default_margin_larger_than_what_is_free_starts_at_one_sequence_where_the_live_margin_leaves_room():
+    """The default margin (1 GiB) is more than the device has free, so it
+    leaves no sequence; the live margin leaves room for some: the engine
+    starts at one and the live watch admits what the device holds. A
+    margin the operator gave, a device below the live margin, other
+    engines' reservations or an operator's share keep the refusal."""
+    per_seq = 4096 * ROW  # 2 MiB
+    free = 400 * MiB
+    headroom = headroom_from_free(free, 3 * GiB, "test device")
+    assert headroom.bytes == 0 and live_margin_bytes(headroom) == 128 * MiB
+    worker = budget_worker(collection(spec("kv", 4096)), headroom)
+    plan = make_plan([worker], 256, "cap")
+    assert plan.decision is Decision.CAPPED and plan.effective_max_num_seqs == plan.safe_max_num_seqs == 1
+    one = plan.constraints[-1]
+    assert one.name == "one sequence until measured on rank 0" and one.value == 1
+    assert f"live margin {128 * MiB:,} B leaves {free - 128 * MiB:,} B" in one.detail
+    assert min(c.value for c in plan.constraints) == plan.effective_max_num_seqs
+    given = headroom_from_free(free, 3 * GiB, "test device", GiB)
+    assert make_plan([budget_worker(collection(spec("kv", 4096)), given)], 256, "cap").decision is Decision.INFEASIBLE
+    scarce = headroom_from_free(128 * MiB + per_seq - 1, 3 * GiB, "test device")
+    assert make_plan([budget_worker(collection(spec("kv", 4096)), scarce)], 256, "cap").decision is Decision.INFEASIBLE
+    taken = shared_budget(worker, free - 128 * MiB - per_seq + 1, "engine 1")
+    assert taken.safe_max_num_seqs == 0
+    assert shared_budget(worker, free - 128 * MiB - per_seq, "engine 1").safe_max_num_seqs == 1
+    assert shared_budget(worker, 0, "", share_bytes=per_seq).safe_max_num_seqs == 0
 
 
 def test_fixed_alone_over_headroom_is_infeasible():

@@ -45,6 +45,8 @@ __all__ = [
     "DEFAULT_MARGIN_FRACTION",
     "MIN_DEFAULT_MARGIN_BYTES",
     "default_margin_bytes",
+    "LIVE_MARGIN_FLOOR_BYTES",
+    "live_margin_bytes",
     "headroom_from_free",
     "headroom_override",
     "headroom_outside_requested",
@@ -90,6 +92,13 @@ def default_margin_bytes(total_bytes: int) -> int:
     return max(MIN_DEFAULT_MARGIN_BYTES, int(total_bytes * DEFAULT_MARGIN_FRACTION))
 
 
+LIVE_MARGIN_FRACTION = Fraction(1, 8)
+"""The part of the default margin the live watch keeps (:func:`live_margin_bytes`)."""
+
+LIVE_MARGIN_FLOOR_BYTES = 64 * 1024 * 1024
+"""The least the live watch keeps free of a measured headroom while serving."""
+
+
 class Headroom(BaseModel):
     """The bytes per-request model-local KV may use, with their origin."""
 
@@ -104,7 +113,7 @@ class Headroom(BaseModel):
     margin_bytes: int = 0
     margin_given: bool = False
     """Whether the operator set the margin (``--model-local-kv-margin``):
-    the live watch then keeps all of it (:func:`kv_budget.watch.live.live_margin_bytes`)."""
+    the live watch then keeps all of it (:func:`live_margin_bytes`)."""
     default_margin_bytes: int = 0
     """The default margin on this device (:func:`default_margin_bytes`):
     where the operator's is smaller, the live limit starts at what the
@@ -114,6 +123,45 @@ class Headroom(BaseModel):
     reserved_by_others_bytes: int = 0
     """Taken off for other engines' model-local KV on the same device
     (:mod:`kv_budget.ledger`); 0 when none or the ledger is off."""
+
+
+def live_margin_bytes(headroom: Headroom) -> int:
+    """What the live watch keeps free on a device: the whole margin where
+    the operator set it; else an eighth of the default margin, at least
+    :data:`LIVE_MARGIN_FLOOR_BYTES` and never more than the margin. Why less
+    than at startup: the default margin stands for what startup could not
+    measure (the engine's own growth under load); serving, the device is
+    read every sample and the sequences' measured cost takes that part, so
+    the margin is left to cover what a sample cannot see coming (another
+    process, an estimate a step later proves short)."""
+    if headroom.margin_given:
+        return headroom.margin_bytes
+    part = int(headroom.margin_bytes * LIVE_MARGIN_FRACTION)
+    return min(headroom.margin_bytes, max(part, LIVE_MARGIN_FLOOR_BYTES))
+
+
+def live_room_bytes(headroom: Headroom) -> int | None:
+    """What the live margin leaves of a sample taken with the default
+    margin, per sharer, less other engines' reservations; None where the
+    margin was given or nothing was sampled."""
+    if headroom.margin_given or headroom.sampled_free_bytes is None or not headroom.margin_bytes:
+        return None
+    free = max(headroom.sampled_free_bytes - live_margin_bytes(headroom), 0) // headroom.sharers
+    return free - headroom.reserved_by_others_bytes
+
+
+def bound_on(headroom: Headroom, fixed: int, per_seq: int) -> int | None:
+    """:func:`safe_max_num_seqs` on the headroom, except where the default
+    margin leaves not one sequence and the live margin does: then 1. Why:
+    the default margin is a guess of what the engine adds under load, which
+    the live watch measures while serving (:mod:`kv_budget.watch.live`);
+    refusing on the guess alone would turn away a device with room (a 1 MiB
+    sequence in a container with 400 MB left, a default margin of 1 GiB)."""
+    safe = safe_max_num_seqs(headroom.bytes, fixed, per_seq)
+    room = live_room_bytes(headroom)
+    if safe == 0 and per_seq and room is not None and room >= fixed + per_seq:
+        return 1
+    return safe
 
 
 def headroom_from_free(
@@ -301,7 +349,7 @@ def budget_worker(collection: Collection, headroom: Headroom, rank: int = 0, max
         uncharged_fixed_bytes=fixed,
         per_seq_bytes=per_seq,
         headroom=headroom,
-        safe_max_num_seqs=safe_max_num_seqs(headroom.bytes, fixed, per_seq),
+        safe_max_num_seqs=bound_on(headroom, fixed, per_seq),
     )
 
 
@@ -322,10 +370,9 @@ def shared_budget(worker: WorkerBudget, others_bytes: int, others: str, share_by
         left = share_bytes
         source += f"; capped at this engine's share {share_bytes:,} B (--model-local-kv-share)"
     headroom = room.model_copy(update={"bytes": left, "source": source, "reserved_by_others_bytes": others_bytes})
-    return worker.model_copy(update={
-        "headroom": headroom,
-        "safe_max_num_seqs": safe_max_num_seqs(left, worker.uncharged_fixed_bytes, worker.per_seq_bytes),
-    })
+    fixed, per_seq = worker.uncharged_fixed_bytes, worker.per_seq_bytes
+    shared = safe_max_num_seqs(left, fixed, per_seq) if share_bytes is not None else bound_on(headroom, fixed, per_seq)
+    return worker.model_copy(update={"headroom": headroom, "safe_max_num_seqs": shared})
 
 
 class Constraint(BaseModel):
@@ -398,6 +445,16 @@ class Plan(BaseModel):
 def _worker_constraint(worker: WorkerBudget) -> Constraint | None:
     if worker.safe_max_num_seqs is None:
         return None
+    headroom, fixed, per_seq = worker.headroom, worker.uncharged_fixed_bytes, worker.per_seq_bytes
+    if safe_max_num_seqs(headroom.bytes, fixed, per_seq) == 0 and worker.safe_max_num_seqs == 1:
+        return Constraint(
+            name=f"one sequence until measured on rank {worker.rank}",
+            value=1,
+            detail=(f"headroom {headroom.bytes:,} B < one sequence {fixed + per_seq:,} B (fixed + per-sequence) under "
+                    f"the default margin {headroom.margin_bytes:,} B; the live margin "
+                    f"{live_margin_bytes(headroom):,} B leaves {live_room_bytes(headroom):,} B: the live watch "
+                    "admits what the device holds"),
+        )
     return Constraint(
         name=f"model-local KV fits headroom on rank {worker.rank}",
         value=worker.safe_max_num_seqs,

@@ -63,7 +63,7 @@ from typing import Literal
 from pydantic import BaseModel
 
 from kv_budget.declare.spec import RowDriver, Scope
-from kv_budget.plan.planner import Charge, Headroom, Plan, WorkerBudget, safe_max_num_seqs
+from kv_budget.plan.planner import Charge, Headroom, Plan, WorkerBudget, live_margin_bytes, safe_max_num_seqs
 from kv_budget.sample.in_step import InStepPeaks
 from kv_budget.settings import DEFAULT_SAMPLE_INTERVAL_S, Policy
 
@@ -71,8 +71,6 @@ __all__ = [
     "DEAD_AFTER_COMPLETED",
     "MAX_SAMPLING_FRACTION",
     "first_admission",
-    "LIVE_MARGIN_FLOOR_BYTES",
-    "live_margin_bytes",
     "DeviceFree",
     "OwnerBytes",
     "WorkerSample",
@@ -117,10 +115,6 @@ CORRECTING_POLICIES = (Policy.CAP, Policy.RESERVE)
 """The policies under which a measurement lowers the live limit: ``cap``
 keeps what runs within the headroom, ``reserve`` within the reservation."""
 
-LIVE_MARGIN_FLOOR_BYTES = 64 * 1024 * 1024
-"""The least the watch keeps free of a measured headroom while serving."""
-
-
 def first_admission(plan: Plan) -> int:
     """Where a limit that follows the device starts: the startup cap, or,
     where the operator's margin is smaller than the default one, what the
@@ -137,20 +131,6 @@ def first_admission(plan: Plan) -> int:
             fits = safe_max_num_seqs(headroom.bytes - short, worker.uncharged_fixed_bytes, worker.per_seq_bytes)
             start = min(start, fits)
     return max(start, 1)
-
-
-def live_margin_bytes(headroom: Headroom) -> int:
-    """What the live watch keeps free on a device: the whole margin where
-    the operator set it; else an eighth of the default margin, at least
-    :data:`LIVE_MARGIN_FLOOR_BYTES` and never more than the margin. Why less
-    than at startup: the default margin stands for what startup could not
-    measure (the engine's own growth under load); serving, the device is
-    read every sample and the sequences' measured cost takes that part, so
-    the margin is left to cover what a sample cannot see coming (another
-    process, an estimate a step later proves short)."""
-    if headroom.margin_given:
-        return headroom.margin_bytes
-    return min(headroom.margin_bytes, max(headroom.margin_bytes // 8, LIVE_MARGIN_FLOOR_BYTES))
 
 
 class OwnerBytes(BaseModel):
