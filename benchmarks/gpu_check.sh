@@ -76,7 +76,7 @@ if $PY -c "import vllm" 2>/dev/null; then
     # Which vLLM (distribution, version) and how kv-budget checked it: on a
     # CUDA machine `.[cuda]` takes the newest supported vLLM, which is the
     # one no CPU run covers (0.33: checked against source only).
-    $PY -c "from kv_budget.vllm.compat import check_vllm; print('[gpu-check]', check_vllm())" 2>&1 \
+    $PY -c "from vllm_patches.compat import check_vllm; print('[gpu-check]', check_vllm())" 2>&1 \
         | grep '^\[gpu-check\]\|Error' | tee "$OUT_DIR/vllm-version.log"
     echo "[gpu-check] step 2: demo with NVML-measured headroom"
     if timeout 420 $PY -m kv_budget_demo --out "$OUT_DIR/demo" --talker-positions 32768 2>&1 | tee "$OUT_DIR/step2.log"; then

@@ -4,7 +4,7 @@ Models declare the attention KV they keep outside vLLM's paged KV pool; the
 planner, run after vLLM has measured memory and allocated its pool, caps
 ``max_num_seqs`` so that per-request KV cannot exceed device headroom.
 This package is importable and testable without vLLM; everything that
-touches vLLM lives in ``kv_budget.vllm``.
+touches vLLM lives in ``vllm_patches``.
 
 vLLM-Omni's public declaration names (``ModelLocalKVSpec``,
 ``ModelLocalKVScope``, ``RowDriver``, ``spec_from_hf_config``,

@@ -272,7 +272,7 @@ SETTINGS: tuple[Setting, ...] = (
     ),
 )
 """Every setting, in the order ``--help`` and the README's table list them:
-the flags (:mod:`kv_budget.vllm.flags`), the accepted keys and their
+the flags (:mod:`vllm_patches.flags`), the accepted keys and their
 validation come from this table, and a test holds the README's to it."""
 
 KNOWN_KEYS = tuple(setting.key for setting in SETTINGS)

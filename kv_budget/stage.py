@@ -7,7 +7,7 @@ file and report, and the ledger and the log cannot tell them apart. A plain
 vLLM engine has no stage (``None`` wherever a :class:`Stage` is taken).
 
 Entry point: :class:`Stage`; the glue reads it from the stage's config
-(``kv_budget.vllm.omni.stage_of``).
+(``vllm_patches.engine.stage_of``).
 """
 
 from __future__ import annotations

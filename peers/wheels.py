@@ -3,7 +3,7 @@
 kv-budget is checked against its peers' real files: vLLM-Omni's modules
 (imported by file, :mod:`peers.vllm_omni.files`) and the Python source of a
 vLLM release that has no CPU build to run (read, never imported, by
-``kv_budget.vllm.compat.VllmSourceTree``). Both come from here: fetched once
+``vllm_patches.compat.VllmSourceTree``). Both come from here: fetched once
 with ``pip download --no-deps`` (the project's own dependencies are not
 needed to read or import single files), unpacked into
 ``$XDG_CACHE_HOME/kv-budget/PROJECT-VERSION`` (default ``~/.cache``), and

@@ -43,7 +43,7 @@ LLM_RUNNER = Path(__file__).with_name("engine_llm_run.py")
 def has_max_num_active_seqs() -> bool:
     """vLLM 0.30 has no ``max_num_active_seqs``; where it exists the cap must
     lower it too. Read from the installed vLLM when a test asks, not at import."""
-    from kv_budget.vllm.compat import InstalledVllm, detect_features
+    from vllm_patches.compat import InstalledVllm, detect_features
 
     return detect_features(InstalledVllm()).max_num_active_seqs
 

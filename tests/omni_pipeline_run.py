@@ -54,7 +54,7 @@ def _runner_and_model(worker) -> dict:
 def install_probe(directory: str) -> None:
     """Wrap kv-budget's startup plan (the function its engine-core hook
     calls by name) to record what it sees inside the stage."""
-    from kv_budget.vllm import startup_hook
+    from vllm_patches import startup_hook
 
     original = startup_hook.plan_after_kv_caches
 

@@ -1,4 +1,4 @@
-"""The frontend glue (:mod:`kv_budget.vllm.frontend`) against the installed
+"""The frontend glue (:mod:`vllm_patches.frontend`) against the installed
 vLLM, in process, without an engine: the cap taken into a real
 ``VllmConfig``, the stat-logger entry point as vLLM loads it, and the stat
 logger publishing a real status file into prometheus_client's registry.
@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
-import kv_budget.vllm
+import vllm_patches
 import kv_budget_demo
 from kv_budget import Collection, ModelLocalKVSpec, OwnedSpec
 from kv_budget.plan.planner import budget_worker, headroom_override, make_plan
-from kv_budget.vllm.compat import checked_vllm
-from kv_budget.vllm.patching import PATCH_MARK
+from vllm_patches.compat import checked_vllm
+from vllm_patches.patching import PATCH_MARK
 from kv_budget.watch.status import STATUS_DIR_ENV, EngineStatus, status_path, write_status
 
 if TYPE_CHECKING:
@@ -30,16 +30,16 @@ pytestmark = pytest.mark.vllm
 @pytest.fixture(scope="module", autouse=True)
 def registered():
     pytest.importorskip("vllm")
-    kv_budget.vllm.register()
+    vllm_patches.register()
     kv_budget_demo.register()  # the configs below name the demo architecture
 
 
 @pytest.fixture(scope="module")
 def frontend():
-    """:mod:`kv_budget.vllm.frontend`, which imports vLLM: imported when a test
+    """:mod:`vllm_patches.frontend`, which imports vLLM: imported when a test
     runs, so that collecting this module (which every fast run does before
     deselecting it) imports no vLLM."""
-    from kv_budget.vllm import frontend
+    from vllm_patches import frontend
 
     return frontend
 
@@ -58,8 +58,8 @@ def test_the_ready_response_patch_is_applied_once():
     patched = MPClient._apply_ready_response
     assert getattr(patched, PATCH_MARK, False)
     assert not getattr(patched.__wrapped__, PATCH_MARK, False)
-    kv_budget.vllm._registered = False  # a process that loads the plugin again
-    kv_budget.vllm.register()
+    vllm_patches._registered = False  # a process that loads the plugin again
+    vllm_patches.register()
     assert MPClient._apply_ready_response is patched
 
 

@@ -4,11 +4,15 @@ kv-budget's core runs declare -> collect -> override -> settings -> stage -> sam
 -> ledger -> plan -> watch -> report; the entry points (the offline audit,
 the startup call, the command) sit on top, and the vLLM glue on top of
 them. A module imports only its own step or earlier ones: one that must
-reach back against the flow sits in the wrong place. Only the glue imports
-vLLM; nothing installed imports the demo, the peers' code or the tests;
-no ``_private`` name crosses a module boundary. Read from the source
-(imports inside functions count), so the test needs no vLLM. The wheel,
-built from a copy of the checkout, holds kv_budget/ only.
+reach back against the flow sits in the wrong place. The vLLM glue is a
+package of its own, ``vllm_patches``, in layers (patching and compat; what
+an engine knows about itself; what runs in a worker, the flags and the chunk
+scheduling; the hooks; the vLLM-Omni driver; ``register``), with no circle
+among its modules, imports inside functions counted. Only the glue imports vLLM; nothing installed imports the demo,
+the peers' code or the tests; no ``_private`` name crosses a module
+boundary. Read from the source (imports inside functions count), so the
+test needs no vLLM. The wheel, built from a copy of the checkout, holds
+kv_budget/ and vllm_patches/ only.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "kv_budget"
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("kv_budget", "vllm_patches")
 
 FLOW = (
     ("kv_budget.units",),
@@ -39,11 +44,18 @@ FLOW = (
     ("kv_budget.watch",),
     ("kv_budget.report",),
     ("kv_budget.audit", "kv_budget.startup", "kv_budget.cli"),
-    ("kv_budget.vllm",),
+    ("vllm_patches.patching", "vllm_patches.compat"),
+    ("vllm_patches.engine",),
+    ("vllm_patches.workers", "vllm_patches.cache_updates", "vllm_patches.flags", "vllm_patches.omni_chunks"),
+    ("vllm_patches.frontend", "vllm_patches.pool_hook", "vllm_patches.live_hook"),
+    ("vllm_patches.startup_hook",),
+    ("vllm_patches.omni_deployment",),
+    ("vllm_patches.omni",),
+    ("vllm_patches",),  # register: every patch, in order
 )
 """The steps in order; a module belongs to the longest prefix that names it."""
 
-GLUE = "kv_budget.vllm"
+GLUE = "vllm_patches"
 NOT_THE_PRODUCT = ("kv_budget_demo", "peers", "tests", "engine_support", "benchmarks")
 
 
@@ -55,7 +67,7 @@ def step_of(module: str) -> int:
 
 
 def module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    parts = path.relative_to(ROOT).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -73,12 +85,16 @@ def imports_of(path: Path) -> list[tuple[str, list[str], int]]:
     return found
 
 
-MODULES = sorted(PACKAGE.rglob("*.py"))
+def is_glue(module: str) -> bool:
+    return module == GLUE or module.startswith(GLUE + ".")
+
+
+MODULES = sorted(path for package in PACKAGES for path in (ROOT / package).rglob("*.py"))
 
 
 def test_the_layout_is_read_from_every_module():
     names = {module_name(path) for path in MODULES}
-    assert {"kv_budget.declare.spec", "kv_budget.collect.model", "kv_budget.plan.planner", "kv_budget.vllm.startup_hook",
+    assert {"kv_budget.declare.spec", "kv_budget.collect.model", "kv_budget.plan.planner", "vllm_patches.startup_hook",
             "kv_budget.watch.live", "kv_budget.startup"} <= names
 
 
@@ -88,7 +104,7 @@ def test_a_module_imports_only_its_own_step_or_earlier_ones(path):
     against = [
         f"line {line}: {module} ({FLOW[step_of(module)][0]}) is later in the flow than {FLOW[step_of(here)][0]}"
         for module, _, line in imports_of(path)
-        if module.split(".")[0] == "kv_budget" and step_of(module) > step_of(here)
+        if module.split(".")[0] in PACKAGES and step_of(module) > step_of(here)
     ]
     assert not against, f"{here}: " + "; ".join(against)
 
@@ -99,7 +115,7 @@ def test_only_the_glue_imports_vllm_and_nothing_imports_what_is_not_installed(pa
     for module, _, line in imports_of(path):
         top = module.split(".")[0]
         if top in ("vllm", "vllm_omni"):
-            assert here == GLUE or here.startswith(GLUE + "."), f"{here} line {line} imports {module}"
+            assert is_glue(here), f"{here} line {line} imports {module}"
         assert top not in NOT_THE_PRODUCT, f"{here} line {line} imports {module}, which is not installed"
 
 
@@ -107,20 +123,32 @@ def test_only_the_glue_imports_vllm_and_nothing_imports_what_is_not_installed(pa
 def test_no_private_name_crosses_a_module_boundary(path):
     here = module_name(path)
     crossing = [f"line {line}: {name} from {module}" for module, names, line in imports_of(path)
-                if module.split(".")[0] == "kv_budget" and module != here
+                if module.split(".")[0] in PACKAGES and module != here
                 for name in names if name.startswith("_") and not name.startswith("__")]
     assert not crossing, f"{here}: " + "; ".join(crossing)
 
 
+def test_the_glue_has_no_import_circle():
+    graph = {module_name(p): {m for m, _, _ in imports_of(p) if is_glue(m) and m != module_name(p)}
+             for p in MODULES if is_glue(module_name(p))}
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        return any(nxt == goal or (nxt not in seen and reaches(nxt, goal, seen | {nxt})) for nxt in graph.get(start, ()))
+
+    circles = sorted(module for module in graph if reaches(module, module, {module}))
+    assert not circles, f"modules on an import circle: {circles}"
+
+
 def test_the_wheel_carries_the_product_only(tmp_path):
-    """``pip wheel --no-deps .`` holds kv_budget/ (core, glue, command) and
-    its plugin entry point; the demo and peers/ stay in the checkout."""
-    root = PACKAGE.parent
+    """``pip wheel --no-deps .`` holds kv_budget/ (core and command),
+    vllm_patches/ (the glue) and the plugin entry point; the demo and peers/
+    stay in the checkout."""
+    root = ROOT
     source = tmp_path / "source"
     source.mkdir()
     for name in ("pyproject.toml", "setup.cfg", "README.md"):
         shutil.copy(root / name, source / name)
-    for name in ("kv_budget", "demo", "peers"):
+    for name in ("kv_budget", "vllm_patches", "demo", "peers"):
         shutil.copytree(root / name, source / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     built = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(source),
@@ -129,8 +157,8 @@ def test_the_wheel_carries_the_product_only(tmp_path):
     (wheel,) = (tmp_path / "wheel").glob("kv_budget-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     tops = {name.split("/")[0] for name in names}
-    assert tops == {"kv_budget", next(top for top in tops if top.endswith(".dist-info"))}
-    assert {"kv_budget/vllm/__init__.py", "kv_budget/cli.py", "kv_budget/startup.py"} <= set(names)
+    assert tops == {"kv_budget", "vllm_patches", next(top for top in tops if top.endswith(".dist-info"))}
+    assert {"vllm_patches/__init__.py", "kv_budget/cli.py", "kv_budget/startup.py"} <= set(names)
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
-    assert "kv_budget = kv_budget.vllm:register" in entry_points and "kv-budget = kv_budget.cli:main" in entry_points
+    assert "kv_budget = vllm_patches:register" in entry_points and "kv-budget = kv_budget.cli:main" in entry_points
     assert "kv_budget_demo" not in entry_points and "stat_logger_plugins" not in entry_points

@@ -24,8 +24,8 @@ from audit_models import REQUEST_ROW_BYTES, RequestDeclaringModel
 from kv_budget.plan.planner import Decision
 from kv_budget.settings import ModelLocalKVSettings, Policy
 from kv_budget.startup import ModelLocalKVPlanningError, checked_results, plan_startup
-from kv_budget.vllm import compat
-from kv_budget.vllm.compat import (
+from vllm_patches import compat
+from vllm_patches.compat import (
     MODEL_RUNNER_V2,
     MODEL_RUNNER_V2_HOOK_POINTS,
     InstalledVllm,
@@ -34,7 +34,7 @@ from kv_budget.vllm.compat import (
     model_runner_v2_problems,
     runs_model_runner_v2,
 )
-from kv_budget.vllm.workers import budget_on_worker
+from vllm_patches.workers import budget_on_worker
 
 ROW = REQUEST_ROW_BYTES
 VLLM = {"vllm_version": "0.0.test", "vllm_distribution": "none", "vllm_support": "untested"}

@@ -19,7 +19,8 @@ from kv_budget.plan.planner import budget_worker, headroom_override, make_plan
 from kv_budget.report import render_plan_table
 from kv_budget.stage import Stage, stage_file_name
 from kv_budget.startup import ModelLocalKVOverrideError, budget_loaded_model, checked_results, engine_label
-from kv_budget.vllm.omni import StageLogPrefix, deployment_settings, stage_settings, unmatched_across_stages
+from vllm_patches.engine import StageLogPrefix
+from vllm_patches.omni import deployment_settings, stage_settings, unmatched_across_stages
 from kv_budget.watch.metrics import METRICS, label_names, status_samples
 from kv_budget.watch.status import EngineStatus, read_status, status_path, write_status
 
@@ -213,7 +214,7 @@ def test_a_platform_section_that_replaces_additional_config_is_found(tmp_path):
 def test_the_stages_on_a_device_must_give_it_one_size_and_one_headroom():
     """Each is the device's figure, which its stages split: two values for
     one device are refused where the driver resolves the deploy."""
-    from kv_budget.vllm.omni_deployment import _one_value
+    from vllm_patches.omni_deployment import _one_value
 
     key = "headroom_bytes (--model-local-kv-headroom)"
     assert _one_value(0, {0: 96 * 2**20, 1: 96 * 2**20, 2: None}, "headrooms", key) == 96 * 2**20

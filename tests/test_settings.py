@@ -18,7 +18,7 @@ from kv_budget.settings import (
     settings_from_additional_config,
 )
 from kv_budget.units import GiB, MiB
-from kv_budget.vllm.flags import add_flags
+from vllm_patches.flags import add_flags
 
 
 def test_absent_settings_are_the_defaults_and_cap_is_the_default():

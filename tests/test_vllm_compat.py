@@ -1,4 +1,4 @@
-"""``kv_budget.vllm.compat`` against vLLM's real code: the installed vLLM, read
+"""``vllm_patches.compat`` against vLLM's real code: the installed vLLM, read
 live and as files; copies of its files with one hook point broken; and
 vLLM 0.33.0's published source, which has no CPU build to run."""
 
@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from kv_budget.vllm import compat
-from kv_budget.vllm.compat import (
+from vllm_patches import compat
+from vllm_patches.compat import (
     ARG_UTILS,
     ASYNC_LLM,
     CORE_CLIENT,
@@ -71,9 +71,9 @@ def test_every_hook_point_holds_read_live_and_read_as_files(installed_root):
 def test_the_live_reader_sees_past_kv_budgets_own_wrappers(installed_root):
     """After ``register`` the patched methods are wrappers taking
     ``*args``; the check must still read vLLM's own signature."""
-    import kv_budget.vllm
+    import vllm_patches
 
-    kv_budget.vllm.register()
+    vllm_patches.register()
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine.core import EngineCore
 

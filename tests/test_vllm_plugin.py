@@ -14,11 +14,11 @@ from types import SimpleNamespace
 
 import pytest
 
-import kv_budget.vllm
+import vllm_patches
 from kv_budget.settings import ModelLocalKVSettings, settings_from_additional_config
-from kv_budget.vllm import compat
-from kv_budget.vllm.flags import add_flags
-from kv_budget.vllm.patching import PATCH_MARK
+from vllm_patches import compat
+from vllm_patches.flags import add_flags
+from vllm_patches.patching import PATCH_MARK
 
 pytestmark = pytest.mark.vllm
 
@@ -46,7 +46,7 @@ def vllm_classes() -> SimpleNamespace:
 
 @pytest.fixture(scope="module", autouse=True)
 def registered(vllm):
-    kv_budget.vllm.register()
+    vllm_patches.register()
 
 
 @pytest.fixture(autouse=True)
@@ -58,18 +58,18 @@ def checked_vllm_restored(monkeypatch):
 
 def test_entry_point_is_declared_for_vllm():
     (entry,) = [e for e in importlib.metadata.entry_points(group="vllm.general_plugins") if e.name == "kv_budget"]
-    assert entry.value == "kv_budget.vllm:register"
-    assert entry.load() is kv_budget.vllm.register
+    assert entry.value == "vllm_patches:register"
+    assert entry.load() is vllm_patches.register
 
 
 def test_production_registers_no_demo_architecture_and_leaves_the_worker_alone():
     """The demo is a plugin of its own (demo/): kv-budget's ``register``
     alone, in a fresh process, adds no architecture and wraps no worker."""
     probe = (
-        "import kv_budget.vllm\n"
+        "import vllm_patches\n"
         "from vllm import ModelRegistry\n"
         "from vllm.v1.worker.gpu_worker import Worker\n"
-        "kv_budget.vllm.register()\n"
+        "vllm_patches.register()\n"
         "print('KvBudgetDemoForCausalLM' in ModelRegistry.get_supported_archs(),\n"
         "      getattr(Worker.execute_model, '_kv_budget_patch', False))\n"
     )
@@ -93,9 +93,9 @@ def test_register_is_idempotent():
                 v.Executor.determine_available_memory, v.Executor.initialize_from_config)
 
     before = patched()
-    kv_budget.vllm._registered = False  # as in a fresh process that loads the plugin again
-    kv_budget.vllm.register()
-    kv_budget.vllm.register()
+    vllm_patches._registered = False  # as in a fresh process that loads the plugin again
+    vllm_patches.register()
+    vllm_patches.register()
     after = patched()
     assert before == after
     assert all(getattr(fn, PATCH_MARK, False) for fn in after)
@@ -267,7 +267,7 @@ def test_demo_architecture_is_registered():
 
 
 def test_argparse_namespace_without_flags_is_not_touched():
-    from kv_budget.vllm.flags import merge_flags_into_additional_config
+    from vllm_patches.flags import merge_flags_into_additional_config
 
     class Args:
         additional_config = {"x": 1}
@@ -278,7 +278,7 @@ def test_argparse_namespace_without_flags_is_not_touched():
 
 def test_an_unwritable_report_path_warns_and_does_not_stop_the_engine(tmp_path, caplog):
     from kv_budget.startup import write_report
-    from kv_budget.vllm.workers import vllm_figures
+    from vllm_patches.workers import vllm_figures
 
     blocker = tmp_path / "a-file"
     blocker.write_text("")
@@ -297,8 +297,8 @@ def test_a_live_limit_past_the_startup_cap_raises_what_schedule_asserts_running_
     follows the device past the cap must lift ``max_num_running_reqs``
     too (``schedule()`` asserts ``len(running)`` against it), never past
     the ceiling."""
-    from kv_budget.vllm.compat import checked_vllm
-    from kv_budget.vllm.live_hook import restore_limit
+    from vllm_patches.compat import checked_vllm
+    from vllm_patches.live_hook import restore_limit
 
     attribute = checked_vllm().features.admission_limit
     scheduler = SimpleNamespace(max_num_running_reqs=158, max_num_active_reqs=158)

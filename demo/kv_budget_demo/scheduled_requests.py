@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kv_budget.vllm.patching import patch_method
+from vllm_patches.patching import patch_method
 from kv_budget_demo.checkpoint import ARCHITECTURE
 
 

@@ -8,7 +8,7 @@ sampled) what each declaring owner holds against what its declarations
 allow. This module is the mapping from an :class:`~kv_budget.watch.status.EngineStatus`
 (the engine core's status file) to ``(name, labels, value)`` samples;
 the ``prometheus_client`` gauges that carry them live in
-``kv_budget.vllm.frontend`` only, so the mapping is tested without vLLM, and
+``vllm_patches.frontend`` only, so the mapping is tested without vLLM, and
 the names, help texts and label names are one table (:data:`METRICS`) that
 both read.
 

@@ -666,7 +666,7 @@ def measure() -> dict[str, Any]:
 def watch_in_step(*, declared: bool, requests: tuple[Request, ...] = BATCHED) -> dict[str, Any]:
     """Drive ``requests`` with kv-budget's own in-step tracker watching, as
     a serving engine watches a sampled step: :class:`InStepTracker` fed by
-    the engine glue's ``Cache.update`` hook (``kv_budget.vllm.cache_updates``).
+    the engine glue's ``Cache.update`` hook (``vllm_patches.cache_updates``).
     With ``declared`` the real wrapper is attached, so the decoder declares;
     without it nothing declares (the eager path).
 
@@ -677,7 +677,7 @@ def watch_in_step(*, declared: bool, requests: tuple[Request, ...] = BATCHED) ->
     retained cache (``cache_breakdown``, one ``seen`` set). Returns those
     moments and the window's peaks."""
     from kv_budget.sample.in_step import InStepTracker
-    from kv_budget.vllm import cache_updates
+    from vllm_patches import cache_updates
 
     problem = cache_updates.install()
     if problem is not None:

@@ -23,8 +23,8 @@ from typing import Any
 
 from kv_budget.settings import ModelLocalKVSettings
 from kv_budget.startup import budget_loaded_model, checked_results, engine_label, worker_result
-from kv_budget.vllm.compat import checked_vllm, model_runner_v2_problem, runs_model_runner_v2
-from kv_budget.vllm.omni import stage_of
+from vllm_patches.compat import checked_vllm, model_runner_v2_problem, runs_model_runner_v2
+from vllm_patches.engine import stage_of
 
 logger = logging.getLogger("vllm.kv_budget")
 

@@ -20,7 +20,7 @@ import argparse
 from typing import Any
 
 from kv_budget.settings import CONFIG_KEY, SETTINGS, Setting
-from kv_budget.vllm.patching import patch_method
+from vllm_patches.patching import patch_method
 
 
 def flag_dest(setting: Setting) -> str:

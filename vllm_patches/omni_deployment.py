@@ -4,7 +4,7 @@ vLLM-Omni's orchestrator resolves every stage (its devices, its
 ``gpu_memory_utilization``, graph capture, pool size, ``max_num_seqs``) in
 the driver process before it spawns one: in
 ``StageRuntime._build_logical_stage_init_plans``, which
-:func:`kv_budget.vllm.omni.patch_stage_runtime` wraps. From the plans it
+:func:`vllm_patches.omni.patch_stage_runtime` wraps. From the plans it
 returns, this module writes the deployment's record
 (:mod:`kv_budget.deployment`) and names it to the stages through
 :data:`~kv_budget.deployment.DEPLOYMENT_ENV`, which every stage process
@@ -44,6 +44,7 @@ from kv_budget.sample.device import MemorySamplingError, sample_memory
 from kv_budget.settings import LEDGER_OFF, ModelLocalKVSettings, Policy, settings_from_additional_config
 from kv_budget.stage import Stage
 from kv_budget.units import format_bytes
+from vllm_patches.engine import lower_max_num_seqs
 
 logger = logging.getLogger("vllm.kv_budget")
 
@@ -211,9 +212,8 @@ def lower_driver_copies(stage_plans: Any) -> None:
     the driver's copy of each capped stage's ``max_num_seqs`` (the
     ``stage_vllm_config`` its client holds) down to the stage's final split.
     A stage that planned before the others answered ready with its
-    provisional value, which :mod:`kv_budget.vllm.frontend` copied; the
+    provisional value, which :mod:`vllm_patches.frontend` copied; the
     engine core applies the final one before its first request."""
-    from kv_budget.vllm.startup_hook import lower_max_num_seqs
 
     path = os.environ.get(DEPLOYMENT_ENV)
     if not path:

@@ -34,7 +34,7 @@ What it does, in order:
 10. ``omni.register_omni``: where vLLM-Omni runs, its settings paths, the
     check of overrides across stages, and its ``/metrics``.
 
-Every patch goes through :func:`kv_budget.vllm.patching.patch_method`.
+Every patch goes through :func:`vllm_patches.patching.patch_method`.
 Nothing here registers a model: the demo architecture is the demo's own
 plugin (``demo/``, installed only where the demo or the tests run).
 
@@ -50,6 +50,8 @@ import os
 import shutil
 import tempfile
 
+from kv_budget.watch.status import STATUS_DIR_ENV
+
 _registered = False
 
 
@@ -57,8 +59,6 @@ def ensure_status_dir() -> str:
     """The engines' status directory: ``$KV_BUDGET_STATUS_DIR`` as found,
     else a private temporary directory this process creates, removes at
     exit, and hands down to every process it starts through the variable."""
-    from kv_budget.watch.status import STATUS_DIR_ENV
-
     directory = os.environ.get(STATUS_DIR_ENV)
     if directory:
         return directory
@@ -80,13 +80,13 @@ def register() -> None:
     from vllm.v1.engine.core_client import MPClient
     from vllm.v1.executor.abstract import Executor
 
-    from kv_budget.vllm.compat import check_vllm
-    from kv_budget.vllm.flags import patch_engine_args
-    from kv_budget.vllm.frontend import patch_async_llm, patch_ready_response
-    from kv_budget.vllm.live_hook import patch_engine_steps
-    from kv_budget.vllm.omni import register_omni
-    from kv_budget.vllm.pool_hook import patch_executor
-    from kv_budget.vllm.startup_hook import patch_engine_config_validation, patch_engine_core, patch_scheduler
+    from vllm_patches.compat import check_vllm
+    from vllm_patches.flags import patch_engine_args
+    from vllm_patches.frontend import patch_async_llm, patch_ready_response
+    from vllm_patches.live_hook import patch_engine_steps
+    from vllm_patches.omni import register_omni
+    from vllm_patches.pool_hook import patch_executor
+    from vllm_patches.startup_hook import patch_engine_config_validation, patch_engine_core, patch_scheduler
 
     check_vllm()
     patch_engine_args(EngineArgs)

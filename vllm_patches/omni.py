@@ -23,7 +23,7 @@ the stage. A stage that cannot take them (a diffusion stage) is named in a
 warning, as is a stage whose deploy-file settings a ``platforms:`` section
 replaced on the platform it runs on.
 
-**Stages sharing a device split it** (:mod:`kv_budget.vllm.omni_deployment`).
+**Stages sharing a device split it** (:mod:`vllm_patches.omni_deployment`).
 Once vLLM-Omni has resolved every stage, before it spawns one, the driver
 records each stage's placement and sizing for the stages to split each
 device by the rule ``kv-budget plan --deploy`` uses, whatever order they
@@ -40,7 +40,7 @@ every stage's declarations.
 builds vLLM's ``AsyncLLM`` and never loads ``vllm.stat_logger_plugins``;
 it builds its own ``OmniPrometheusStatLogger``, one per driver, which
 relabels vLLM's ``engine`` label to ``stage`` and ``replica``. The wrapper
-gives it one :class:`~kv_budget.vllm.frontend.KvBudgetStatLogger` per
+gives it one :class:`~vllm_patches.frontend.KvBudgetStatLogger` per
 stage and replica, refreshed as it records, labelled the same way.
 
 In the stage itself, :func:`stage_of` is the stage id and replica every
@@ -67,63 +67,30 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kv_budget.plan.deploy_file import DeployError, settings_a_platform_replaces
 from kv_budget.settings import CONFIG_KEY, SETTINGS, settings_from_additional_config
 from kv_budget.stage import Stage
-from kv_budget.vllm.flags import flag_dest, merged_section
-from kv_budget.vllm.omni_deployment import lower_driver_copies, record_deployment
-from kv_budget.vllm.patching import patch_method
-from kv_budget.watch.status import EngineStatus, read_status
+from kv_budget.startup import ModelLocalKVOverrideError
+from kv_budget.watch.status import STATUS_DIR_ENV, EngineStatus, read_status
+from vllm_patches.compat import UnsupportedVllmError
+from vllm_patches.flags import flag_dest, merged_section
+from vllm_patches.omni_deployment import lower_driver_copies, record_deployment
+from vllm_patches.patching import patch_method
 
 logger = logging.getLogger("vllm.kv_budget")
 
 __all__ = [
-    "SUPPORTED_VLLM_OMNI", "StageLogPrefix", "check_vllm_omni", "deployment_settings", "register_omni",
-    "running_vllm_omni", "stage_of", "stage_settings",
+    "SUPPORTED_VLLM_OMNI", "check_vllm_omni", "deployment_settings", "register_omni", "running_vllm_omni",
+    "stage_settings",
 ]
 
 SUPPORTED_VLLM_OMNI = ("0.30.0",)
 """vLLM-Omni releases whose hook points below were read and run (docs/support.md)."""
 
-REPLICA_ENV = "VLLM_OMNI_REPLICA_ID"
-"""Set by vLLM-Omni in each stage replica's engine-core process."""
-
 _KEYWORDS = {flag_dest(setting): setting.key for setting in SETTINGS}
 """``model_local_kv_policy`` -> ``policy``: the flags' destinations, which
 are also the keywords ``Omni(...)`` takes (``vllm serve --omni`` passes its
 parsed flags to ``AsyncOmni`` as keywords)."""
-
-
-# --- in a stage -------------------------------------------------------------
-
-def stage_of(vllm_config: Any) -> Stage | None:
-    """The vLLM-Omni stage this engine is (its model config's ``stage_id``,
-    the replica from :data:`REPLICA_ENV`); None in plain vLLM, whose model
-    config has no stage id."""
-    stage_id = getattr(vllm_config.model_config, "stage_id", None)
-    if stage_id is None:
-        return None
-    return Stage(stage_id=int(stage_id), replica=int(os.environ.get(REPLICA_ENV) or 0))
-
-
-class StageLogPrefix(logging.Filter):
-    """Puts ``[stage S replica R]`` before every kv-budget line of a stage
-    engine core: the stages of one deployment log into one stream."""
-
-    def __init__(self, stage: Stage) -> None:
-        super().__init__()
-        self.prefix = f"[{stage.label()}] "
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if isinstance(record.msg, str) and not record.msg.startswith(self.prefix):
-            record.msg = self.prefix + record.msg
-        return True
-
-
-def prefix_stage_logs(stage: Stage | None) -> None:
-    """Install :class:`StageLogPrefix` on kv-budget's logger, once per process."""
-    if stage is None or any(isinstance(f, StageLogPrefix) for f in logger.filters):
-        return
-    logger.addFilter(StageLogPrefix(stage))
 
 
 # --- in the driver: settings --------------------------------------------------
@@ -197,7 +164,6 @@ def warn_platform_replacements(deploy_config_path: str | None) -> None:
         return
     from vllm_omni.platforms import current_omni_platform
 
-    from kv_budget.plan.deploy_file import DeployError, settings_a_platform_replaces
 
     name = current_omni_platform.device_name
     if not name:
@@ -274,8 +240,6 @@ def check_overrides_across_stages() -> None:
     """Raise :class:`~kv_budget.startup.ModelLocalKVOverrideError` when an
     unqualified override matched in no stage (read from the stages' status
     files, written before each stage answered ready)."""
-    from kv_budget.startup import ModelLocalKVOverrideError
-    from kv_budget.watch.status import STATUS_DIR_ENV
 
     directory = os.environ.get(STATUS_DIR_ENV)
     if not directory:
@@ -293,9 +257,9 @@ def check_overrides_across_stages() -> None:
 def patch_stage_runtime(stage_runtime_cls) -> None:
     """Wrap ``StageRuntime._build_logical_stage_init_plans`` (after vLLM-Omni
     loaded the plugins, before any stage starts: the deployment's record for
-    its stages to split, :func:`kv_budget.vllm.omni_deployment.record_deployment`;
+    its stages to split, :func:`vllm_patches.omni_deployment.record_deployment`;
     at ``_finalize_initialized_stages`` the driver's copies take the final
-    split, :func:`~kv_budget.vllm.omni_deployment.lower_driver_copies`),
+    split, :func:`~vllm_patches.omni_deployment.lower_driver_copies`),
     and the two places every
     stage is ready: ``StageRuntime._finalize_initialized_stages`` (one API
     server, or a Python driver) and the end of the context manager
@@ -350,7 +314,7 @@ def patch_stat_logger(stat_logger_cls) -> None:
     """Wrap ``OmniPrometheusStatLogger.__init__``, ``register_replica`` and
     ``record``: one kv-budget logger per (stage, replica), refreshed when
     vLLM-Omni records (at most once a second each)."""
-    from kv_budget.vllm.frontend import KvBudgetStatLogger
+    from vllm_patches.frontend import KvBudgetStatLogger  # it imports vLLM's metrics: not at import time
 
     def add(self, engine_idx: int, stage: str, replica: str) -> None:
         staged = Stage(stage_id=int(stage), replica=int(replica))
@@ -404,7 +368,6 @@ def running_vllm_omni() -> bool:
 def check_vllm_omni() -> str:
     """The vLLM-Omni version, or UnsupportedVllmError naming what does not
     hold: the version, or a hook point this module wraps."""
-    from kv_budget.vllm.compat import UnsupportedVllmError
 
     version = importlib.metadata.version("vllm-omni")
     if version not in SUPPORTED_VLLM_OMNI:
@@ -426,7 +389,7 @@ def check_vllm_omni() -> str:
               # what the deployment's record reads, as vLLM-Omni's admission reads it
               (stage_admission, "graph_reserve_bytes"), (stage_admission, "_diffusion_utilization"),
               (stage_init_utils, "parse_physical_device_ids"), (stage_utils, "resolve_stage_physical_devices"),
-              # what counts requests parked between async chunks (kv_budget.vllm.omni_chunks)
+              # what counts requests parked between async chunks (vllm_patches.omni_chunks)
               (OmniGenerationScheduler, "_get_async_chunk_reserved_running_slots")]
     missing = [f"{getattr(owner, '__name__', owner)}.{name}" for owner, name in needed if not hasattr(owner, name)]
     if "retains_state_across_chunks" not in getattr(OmniModelConfig, "__dataclass_fields__", {}):

@@ -45,19 +45,18 @@ from kv_budget.startup import (
     plan_startup,
     unmatched_on_every_worker,
 )
-from kv_budget.vllm.compat import (
+from vllm_patches.compat import (
     UnsupportedVllmError,
-    checked_vllm,
     require_no_scheduler_yet,
     scheduler_cap_problem,
     scheduler_class_problem,
 )
-from kv_budget.vllm.live_hook import PendingSplit, start_live
-from kv_budget.vllm.omni import prefix_stage_logs, stage_of
-from kv_budget.vllm.omni_chunks import count_parked_at_startup
-from kv_budget.vllm.patching import patch_method
-from kv_budget.vllm.pool_hook import reservation_to_watch, reserved_in_pool
-from kv_budget.vllm.workers import collect_budgets, this_engine, vllm_figures
+from vllm_patches.engine import lower_max_num_seqs, prefix_stage_logs, stage_of
+from vllm_patches.live_hook import PendingSplit, start_live
+from vllm_patches.omni_chunks import count_parked_at_startup
+from vllm_patches.patching import patch_method
+from vllm_patches.pool_hook import reservation_to_watch, reserved_in_pool
+from vllm_patches.workers import collect_budgets, this_engine, vllm_figures
 
 logger = logging.getLogger("vllm.kv_budget")
 
@@ -136,26 +135,6 @@ def refuse_reserve_without_pool(core: Any, vllm_config: Any, settings: Any, stag
         f"KV pool to take its model-local KV ({', '.join(results[0]['declarations'])}) out of; use policy cap for "
         "it (--model-local-kv-policy cap, or in vLLM-Omni that stage's additional_config.model_local_kv.policy: cap)"
     )
-
-
-def lower_max_num_seqs(scheduler_config: Any, limit: int) -> list[str]:
-    """Lower ``max_num_seqs`` to ``limit``, and ``max_num_active_seqs``
-    where the vLLM has it and it is larger (vLLM checks
-    ``max_num_active_seqs <= max_num_seqs`` only when the config is built);
-    never raise either. Returns what changed, as ``"field old -> new"``,
-    empty when nothing did. The engine core's cap and the frontend's copy
-    of it both go through here."""
-    current = scheduler_config.max_num_seqs
-    if limit >= current:
-        return []
-    scheduler_config.max_num_seqs = limit
-    applied = [f"max_num_seqs {current} -> {limit}"]
-    if checked_vllm().features.max_num_active_seqs:
-        active = scheduler_config.max_num_active_seqs
-        if active is not None and active > limit:
-            scheduler_config.max_num_active_seqs = limit
-            applied.append(f"max_num_active_seqs {active} -> {limit}")
-    return applied
 
 
 def _apply_cap(scheduler_config: Any, plan: Plan) -> None:

@@ -73,10 +73,10 @@ from vllm.v1.engine import EngineCoreReadyResponse
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 from kv_budget.stage import Stage
-from kv_budget.vllm.patching import patch_method
-from kv_budget.vllm.startup_hook import lower_max_num_seqs
 from kv_budget.watch.metrics import METRICS, label_names, status_samples
 from kv_budget.watch.status import STATUS_DIR_ENV, read_status, status_path
+from vllm_patches.engine import lower_max_num_seqs
+from vllm_patches.patching import patch_method
 
 logger = logging.getLogger("vllm.kv_budget")
 
@@ -171,7 +171,7 @@ class KvBudgetStatLogger(StatLoggerBase):
         self.stage = stage
         """The vLLM-Omni stage and replica whose figures this publishes (None: a vLLM engine)."""
         self.model = str(vllm_config.model_config.model)
-        """As the engine core names its status file (``kv_budget.vllm.live_hook``)."""
+        """As the engine core names its status file (``vllm_patches.live_hook``)."""
         self.model_name = served_model_name(vllm_config)
         self._last_refresh: float | None = None
         self._last_seen: tuple[int, int] | None = None

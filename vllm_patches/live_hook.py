@@ -48,12 +48,13 @@ from kv_budget.sample.in_step import InStepTracker
 from kv_budget.settings import LEDGER_OFF, ModelLocalKVSettings, Policy
 from kv_budget.stage import Stage
 from kv_budget.startup import DeploymentPlanning, final_deployment_plan
-from kv_budget.vllm import cache_updates
-from kv_budget.vllm.compat import checked_vllm
-from kv_budget.vllm.omni_chunks import count_parked_in_scheduler, parked_requests, parks_requests
-from kv_budget.vllm.patching import patch_method
 from kv_budget.watch.live import WATCHED_POLICIES, LiveMonitor, WorkerSample
 from kv_budget.watch.status import STATUS_DIR_ENV, EngineStatus, write_status
+import vllm_patches.cache_updates as cache_updates
+from vllm_patches.compat import checked_vllm
+from vllm_patches.engine import lower_max_num_seqs
+from vllm_patches.omni_chunks import count_parked_in_scheduler, parked_requests, parks_requests
+from vllm_patches.patching import patch_method
 
 logger = logging.getLogger("vllm.kv_budget")
 
@@ -94,7 +95,7 @@ def _per_model(table: dict, cls: type, model: Any, *owners: list[str]) -> Any:
 
 def watch_step_on_worker(worker: Any, owners_by_rank: dict[int, list[str]]) -> dict:
     """Runs in every worker (``collective_rpc``) before a sampled step:
-    open the in-step window (:mod:`kv_budget.vllm.cache_updates`) that the
+    open the in-step window (:mod:`vllm_patches.cache_updates`) that the
     next :func:`measure_on_worker` closes. ``error`` says why it cannot."""
     start, cpu = time.perf_counter(), time.thread_time()
     result: dict[str, Any] = {"rank": worker.rank, "error": None}
@@ -457,7 +458,6 @@ class PendingSplit:
                          self.live.monitor.limit if self.live else self.configured)
             return
         if self.settings.policy is Policy.CAP:
-            from kv_budget.vllm.startup_hook import lower_max_num_seqs  # startup_hook imports this module
 
             applied = apply_limit(core.scheduler, plan.effective_max_num_seqs)
             lower_max_num_seqs(core.scheduler.scheduler_config, plan.effective_max_num_seqs)

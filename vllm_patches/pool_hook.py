@@ -30,9 +30,9 @@ from kv_budget.plan.reserve import ReservePlan, plan_reserve, reserve_out_of_poo
 from kv_budget.report import reserve_infeasible_message
 from kv_budget.settings import ModelLocalKVSettings, Policy, settings_from_additional_config
 from kv_budget.startup import ModelLocalKVInfeasibleError, record_in_ledger, report_reserve
-from kv_budget.vllm.omni import prefix_stage_logs, stage_of
-from kv_budget.vllm.patching import patch_method
-from kv_budget.vllm.workers import collect_budgets, this_engine, vllm_figures
+from vllm_patches.engine import prefix_stage_logs, stage_of
+from vllm_patches.patching import patch_method
+from vllm_patches.workers import collect_budgets, this_engine, vllm_figures
 
 logger = logging.getLogger("vllm.kv_budget")
 

@@ -132,7 +132,7 @@ def _parameter_names(arguments: ast.arguments) -> tuple[str, ...]:
 class InstalledVllm:
     """The vLLM this process imports. Reads past kv-budget's own wrappers
     (``__wrapped__``), so the check means the same before and after
-    :func:`kv_budget.vllm.register` has run."""
+    :func:`vllm_patches.register` has run."""
 
     def _class(self, module: str, cls: str) -> Any:
         try:
@@ -464,7 +464,7 @@ HOOK_POINTS = (
               _method(METRICS_LOGGERS, "StatLoggerBase", "record", "function",
                       ("self", "scheduler_stats", "iteration_stats"))),
 )
-"""Everything :mod:`kv_budget.vllm` relies on, in the order it patches."""
+"""Everything :mod:`vllm_patches` relies on, in the order it patches."""
 
 
 @dataclass(frozen=True)

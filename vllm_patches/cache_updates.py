@@ -23,7 +23,7 @@ import torch
 from transformers import cache_utils
 
 from kv_budget.sample.in_step import InStepTracker
-from kv_budget.vllm.patching import PATCH_MARK, patch_method
+from vllm_patches.patching import PATCH_MARK, patch_method
 
 __all__ = ["check_cache_update", "install", "tracking", "start", "stop"]
 

@@ -1,0 +1,74 @@
+"""What an engine knows about itself: which vLLM-Omni stage it is (if any),
+its log prefix, and how its ``max_num_seqs`` is lowered.
+
+Every hook (startup, pool, live, the frontend's copy of the limit, the
+vLLM-Omni driver's copies) needs these, so they sit below all of them: a
+hook imports this module, never another hook for them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from kv_budget.stage import Stage
+from vllm_patches.compat import checked_vllm
+
+logger = logging.getLogger("vllm.kv_budget")
+
+__all__ = ["REPLICA_ENV", "StageLogPrefix", "lower_max_num_seqs", "prefix_stage_logs", "stage_of"]
+
+REPLICA_ENV = "VLLM_OMNI_REPLICA_ID"
+"""Set by vLLM-Omni in each stage replica's engine-core process."""
+
+
+def stage_of(vllm_config: Any) -> Stage | None:
+    """The vLLM-Omni stage this engine is (its model config's ``stage_id``,
+    the replica from :data:`REPLICA_ENV`); None in plain vLLM, whose model
+    config has no stage id."""
+    stage_id = getattr(vllm_config.model_config, "stage_id", None)
+    if stage_id is None:
+        return None
+    return Stage(stage_id=int(stage_id), replica=int(os.environ.get(REPLICA_ENV) or 0))
+
+
+class StageLogPrefix(logging.Filter):
+    """Puts ``[stage S replica R]`` before every kv-budget line of a stage
+    engine core: the stages of one deployment log into one stream."""
+
+    def __init__(self, stage: Stage) -> None:
+        super().__init__()
+        self.prefix = f"[{stage.label()}] "
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and not record.msg.startswith(self.prefix):
+            record.msg = self.prefix + record.msg
+        return True
+
+
+def prefix_stage_logs(stage: Stage | None) -> None:
+    """Install :class:`StageLogPrefix` on kv-budget's logger, once per process."""
+    if stage is None or any(isinstance(f, StageLogPrefix) for f in logger.filters):
+        return
+    logger.addFilter(StageLogPrefix(stage))
+
+
+def lower_max_num_seqs(scheduler_config: Any, limit: int) -> list[str]:
+    """Lower ``max_num_seqs`` to ``limit``, and ``max_num_active_seqs``
+    where the vLLM has it and it is larger (vLLM checks
+    ``max_num_active_seqs <= max_num_seqs`` only when the config is built);
+    never raise either. Returns what changed, as ``"field old -> new"``,
+    empty when nothing did. The engine core's cap and the frontend's copy
+    of it both go through here."""
+    current = scheduler_config.max_num_seqs
+    if limit >= current:
+        return []
+    scheduler_config.max_num_seqs = limit
+    applied = [f"max_num_seqs {current} -> {limit}"]
+    if checked_vllm().features.max_num_active_seqs:
+        active = scheduler_config.max_num_active_seqs
+        if active is not None and active > limit:
+            scheduler_config.max_num_active_seqs = limit
+            applied.append(f"max_num_active_seqs {active} -> {limit}")
+    return applied
