@@ -49,7 +49,7 @@ from kv_budget.report import (
     reserve_infeasible_message,
 )
 from kv_budget.settings import Policy
-from kv_budget.units import byte_size_argument, parse_byte_size
+from kv_budget.units import byte_size_argument, parse_byte_size, positive_int_argument
 
 __all__ = ["main", "EXIT_OK", "EXIT_BAD_INPUT", "EXIT_INFEASIBLE", "EXIT_AUDIT_FAILED"]
 
@@ -63,16 +63,6 @@ EXIT_AUDIT_FAILED = 4
 class _BadInput(Exception):
     """A problem with what the user typed; becomes one line and exit 2."""
 
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return value
 
 
 def _utilization(text: str) -> float:
@@ -144,7 +134,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="correct one field of one declaration before planning (repeatable, applied in order), "
         "e.g. decoder/codec_decoder_request:physical_capacity_positions=72",
     )
-    plan.add_argument("--max-num-seqs", type=_positive_int, default=None,
+    plan.add_argument("--max-num-seqs", type=positive_int_argument, default=None,
                       help="configured max_num_seqs (default 256)")
     plan.add_argument("--policy", choices=[p.value for p in Policy], default=Policy.CAP.value,
                       help="cap (default), warn, off (reports like warn), or reserve (needs --kv-pool-bytes)")
@@ -156,9 +146,9 @@ def _build_parser() -> argparse.ArgumentParser:
     pool.add_argument("--block-bytes", type=byte_size_argument, metavar="SIZE",
                       help="one pool block across every KV layer: 2 x layers x kv_heads x head_dim x block_size "
                       "x dtype bytes (per worker)")
-    pool.add_argument("--block-size", type=_positive_int, default=16, metavar="TOKENS",
+    pool.add_argument("--block-size", type=positive_int_argument, default=16, metavar="TOKENS",
                       help="tokens per block (vLLM's --block-size; default 16)")
-    pool.add_argument("--max-model-len", type=_positive_int, metavar="TOKENS",
+    pool.add_argument("--max-model-len", type=positive_int_argument, metavar="TOKENS",
                       help="vLLM's --max-model-len: one such sequence must still fit the pool")
     plan.add_argument("--json", action="store_true", help="print only the plan as JSON")
 
@@ -170,7 +160,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     audit.add_argument("target", metavar="MODULE:FACTORY")
     audit.add_argument(
-        "--max-num-seqs", type=_positive_int,
+        "--max-num-seqs", type=positive_int_argument,
         help="live sequences the factory left (default: derived from the caches' batch rows)",
     )
     audit.add_argument("--json", action="store_true", help="print only the report as JSON")

@@ -37,9 +37,7 @@ of its own. Nothing here imports vLLM or vLLM-Omni.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -50,6 +48,7 @@ from kv_budget.ledger import process_alive, this_process
 from kv_budget.plan.deploy import SPLIT_RULE, DeviceAccount, StageBudget, plan_deploy
 from kv_budget.plan.deploy_file import DeployFile, StageDeploy
 from kv_budget.plan.planner import WorkerBudget, safe_max_num_seqs
+from kv_budget.runtime_files import exclusive_lock, write_atomically
 from kv_budget.stage import Stage
 
 __all__ = [
@@ -225,10 +224,8 @@ def deployment_path(directory: Path) -> Path:
 
 
 def _write(path: Path, record: DeploymentRecord) -> None:
-    tmp = path.with_suffix(f".json.{os.getpid()}.tmp")
     try:
-        tmp.write_text(record.model_dump_json(indent=1))
-        tmp.replace(path)
+        write_atomically(path, record.model_dump_json(indent=1))
     except OSError as exc:
         raise DeploymentError(f"cannot write the kv-budget deployment record {path}: {exc.strerror or exc}") from exc
 
@@ -244,12 +241,12 @@ def _read(path: Path) -> DeploymentRecord:
 
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
-    try:
-        lock = open(path.with_suffix(".lock"), "a")
-    except OSError as exc:
-        raise DeploymentError(f"cannot lock the kv-budget deployment record {path}: {exc.strerror or exc}") from exc
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(exclusive_lock(path.with_suffix(".lock")))
+        except OSError as exc:
+            raise DeploymentError(f"cannot lock the kv-budget deployment record {path}: "
+                                  f"{exc.strerror or exc}") from exc
         yield
 
 

@@ -27,7 +27,6 @@ Entry point: :func:`open_ledger`.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import re
@@ -38,6 +37,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import psutil
+
+from kv_budget.runtime_files import exclusive_lock, write_atomically
 
 __all__ = [
     "LEDGER_DIR_ENV",
@@ -127,10 +128,8 @@ class LedgerSession:
         mine = Reservation(device, pid, start, engine, reserved_bytes, time.time())
         entries = [*self._entries[device], mine]
         path = self.directory / f"{_file_stem(device)}.json"
-        tmp = path.with_suffix(f".json.{pid}.tmp")
         try:
-            tmp.write_text(json.dumps([asdict(e) for e in entries], indent=1))
-            tmp.replace(path)
+            write_atomically(path, json.dumps([asdict(e) for e in entries], indent=1))
         except OSError as exc:
             raise LedgerError(f"cannot write the kv-budget ledger {path}: {exc.strerror or exc}") from exc
         self._entries[device] = entries[:-1]
@@ -172,7 +171,6 @@ def open_ledger(directory: Path, devices: list[str]) -> Iterator[LedgerSession]:
     with contextlib.ExitStack() as stack:
         entries: dict[str, list[Reservation]] = {}
         for device in sorted(set(devices)):
-            lock = stack.enter_context(open(directory / f"{_file_stem(device)}.lock", "a"))
-            fcntl.flock(lock, fcntl.LOCK_EX)
+            stack.enter_context(exclusive_lock(directory / f"{_file_stem(device)}.lock"))
             entries[device] = _read(directory / f"{_file_stem(device)}.json", device)
         yield LedgerSession(directory, entries)

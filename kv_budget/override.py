@@ -40,6 +40,7 @@ import torch
 from kv_budget.collect.model import Collection, OwnedSpec
 from kv_budget.collect.specfile import parse_dtype
 from kv_budget.declare.spec import InvalidDeclarationError, ModelLocalKVSpec, RowDriver, Scope
+from kv_budget.units import parse_positive_int
 
 __all__ = [
     "OverrideError",
@@ -67,16 +68,6 @@ _STAGE_PREFIX = re.compile(r"^\s*(\d+)\s*:(.*)$", re.DOTALL)
 and a colon (``0/name`` is a root ModuleList child, with a slash)."""
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise ValueError(f"{value} must be >= 1")
-    return value
-
-
 def _choice(enum_cls: type) -> Callable[[str], Any]:
     def parse(text: str) -> Any:
         try:
@@ -92,15 +83,15 @@ def _text(text: str) -> str:
 
 
 OVERRIDABLE_FIELDS: dict[str, Callable[[str], Any]] = {
-    "layers": _positive_int,
-    "kv_heads": _positive_int,
-    "head_dim": _positive_int,
+    "layers": parse_positive_int,
+    "kv_heads": parse_positive_int,
+    "head_dim": parse_positive_int,
     "dtype": parse_dtype,
-    "physical_capacity_positions": _positive_int,
+    "physical_capacity_positions": parse_positive_int,
     "capacity_source": _text,
     "scope": _choice(Scope),
     "rows": _choice(RowDriver),
-    "rows_fixed": _positive_int,
+    "rows_fixed": parse_positive_int,
     "rows_reason": _text,
 }
 """Field -> parser of its VALUE. ``name`` is not here: it is how the

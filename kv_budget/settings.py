@@ -42,8 +42,9 @@ class Policy(str, Enum):
     """Log the same figures and change nothing."""
 
     OFF = "off"
-    """Change nothing. The engine hook does not even run; the ``plan``
-    command reports as under ``warn``."""
+    """Change nothing. The engine hook returns before collecting or
+    sampling anything (it only reads the settings, and warns about one
+    that applies nowhere); the ``plan`` command reports as under ``warn``."""
 
     RESERVE = "reserve"
     """Keep ``max_num_seqs``; take model-local KV at that concurrency out of

@@ -1,7 +1,7 @@
 """What an engine does with model-local KV at startup, in the flow's order.
 
 The vLLM glue gathers what only vLLM can give and applies what comes back;
-everything between is here, as two calls:
+everything between is here, as three calls:
 
 * :func:`budget_loaded_model`, in every worker: settings -> collect ->
   override -> sample -> budget, returned as plain JSON data (it crosses a

@@ -12,7 +12,8 @@ import argparse
 import re
 from decimal import Decimal, InvalidOperation
 
-__all__ = ["parse_byte_size", "byte_size_argument", "format_bytes", "MiB", "GiB"]
+__all__ = ["parse_byte_size", "byte_size_argument", "parse_positive_int", "positive_int_argument", "format_bytes", "MiB",
+           "GiB"]
 
 KiB = 1024
 MiB = 1024**2
@@ -83,6 +84,25 @@ def byte_size_argument(text: str) -> int:
     the usual one-line usage error (exit 2), not a traceback."""
     try:
         return parse_byte_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def parse_positive_int(text: str) -> int:
+    """An integer >= 1 (a count of layers, heads, sequences, tokens), or ValueError saying which rule it broke."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise ValueError(f"{value} must be >= 1")
+    return value
+
+
+def positive_int_argument(text: str) -> int:
+    """:func:`parse_positive_int` as an argparse ``type=``, its message kept."""
+    try:
+        return parse_positive_int(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 

@@ -401,9 +401,10 @@ class LiveHook:
 def start_live(core: Any, vllm_config: Any, plan: Plan, settings: ModelLocalKVSettings, stage: Stage | None = None,
                overrides: list[str] | None = None, unmatched_overrides: list[str] | None = None,
                planning: DeploymentPlanning | None = None) -> LiveHook | None:
-    """Attach a :class:`LiveHook` to ``core`` (policy cap or warn, sampling
-    on), or only publish the startup plan when sampling is off or nothing
-    is declared; return it (None under other policies)."""
+    """Attach a :class:`LiveHook` to ``core`` (policy cap, warn or reserve:
+    :data:`~kv_budget.watch.live.WATCHED_POLICIES`, sampling on), or only
+    publish the startup plan when sampling is off or nothing is declared;
+    return it (None under ``off``)."""
     if plan.policy not in WATCHED_POLICIES:
         return None
     hook = LiveHook(core, vllm_config, plan, settings, stage, overrides, unmatched_overrides,

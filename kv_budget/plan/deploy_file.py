@@ -30,6 +30,7 @@ Nothing here imports vLLM or vLLM-Omni.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,9 +94,14 @@ class _Source:
     chain: tuple[Path, ...]
 
     def where(self) -> str:
-        if not self.chain:
-            return f"deploy file {self.path}"
-        return f"deploy file {self.path} (base_config {' -> '.join(str(p) for p in self.chain)})"
+        return _where(self.path, self.chain)
+
+
+def _where(path: Path | str, chain: Sequence[Path | str]) -> str:
+    """A deploy file and its ``base_config`` chain, as every message names them."""
+    if not chain:
+        return f"deploy file {path}"
+    return f"deploy file {path} (base_config {' -> '.join(str(p) for p in chain)})"
 
 
 def _read_yaml(path: Path, source: _Source, key: str) -> dict[str, Any]:
@@ -272,9 +278,7 @@ class DeployFile(BaseModel):
 
     def where(self) -> str:
         """The file (and its base chain) as error messages name it."""
-        if not self.base_files:
-            return f"deploy file {self.path}"
-        return f"deploy file {self.path} (base_config {' -> '.join(self.base_files)})"
+        return _where(self.path, self.base_files)
 
 
 @dataclass

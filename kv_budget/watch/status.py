@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
 
 from kv_budget.deployment import StageSplit
 from kv_budget.plan.planner import Plan
+from kv_budget.runtime_files import write_atomically
 from kv_budget.stage import Stage
 from kv_budget.watch.live import LiveState
 
@@ -74,9 +74,7 @@ def write_status(directory: str | Path, status: EngineStatus) -> Path:
     """Write atomically (temporary file, then rename); return the path."""
     path = status_path(directory, status.model, status.engine_index, status.stage)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.write_text(status.model_dump_json())
-    temporary.replace(path)
+    write_atomically(path, status.model_dump_json())
     return path
 
 
