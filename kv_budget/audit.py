@@ -62,6 +62,7 @@ from transformers.cache_utils import Cache
 
 from kv_budget.collect.model import collect_model_local_kv_specs, unwrap_model, walk_modules
 from kv_budget.declare.spec import ModelLocalKVSpec, RowDriver
+from kv_budget.errors import KvBudgetError
 from kv_budget.sample.caches import LayerBytes, attribute_caches, cache_breakdown, held_caches
 from kv_budget.units import format_bytes
 
@@ -81,7 +82,7 @@ Verdict = Literal["match", "under-declared", "over-declared", "declared-but-abse
 """The five outcomes of comparing one owner's declarations with its caches."""
 
 
-class AuditError(ValueError):
+class AuditError(KvBudgetError, ValueError):
     """The audit cannot compute an honest figure (e.g. the row count of a
     cache cannot be read) and says why instead of guessing."""
 

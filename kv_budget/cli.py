@@ -27,6 +27,7 @@ from kv_budget.collect.model import Collection
 from kv_budget.collect.presets import PRESETS, preset_collection
 from kv_budget.collect.specfile import SpecFileError, load_spec_file
 from kv_budget.collect.supplied import SuppliedDeclarationsError, supplied_collection, supplied_source
+from kv_budget.errors import KvBudgetError
 from kv_budget.override import OverrideError, apply_overrides, declaration_label, parse_overrides, unmatched_message
 from kv_budget.plan.deploy import StageDeclarations, plan_deploy
 from kv_budget.plan.deploy_file import DeployError, load_deploy
@@ -60,7 +61,7 @@ EXIT_INFEASIBLE = 3
 EXIT_AUDIT_FAILED = 4
 
 
-class _BadInput(Exception):
+class _BadInput(KvBudgetError):
     """A problem with what the user typed; becomes one line and exit 2."""
 
 

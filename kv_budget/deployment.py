@@ -44,6 +44,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from kv_budget.errors import KvBudgetError
 from kv_budget.ledger import process_alive, this_process
 from kv_budget.plan.deploy import SPLIT_RULE, DeviceAccount, StageBudget, plan_deploy
 from kv_budget.plan.deploy_file import DeployFile, StageDeploy
@@ -74,7 +75,7 @@ DEPLOYMENT_ENV = "KV_BUDGET_DEPLOYMENT"
 each stage process inherits it."""
 
 
-class DeploymentError(RuntimeError):
+class DeploymentError(KvBudgetError, RuntimeError):
     """The record cannot be written or read; the message names the file."""
 
 

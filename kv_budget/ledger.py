@@ -38,6 +38,7 @@ from pathlib import Path
 
 import psutil
 
+from kv_budget.errors import KvBudgetError
 from kv_budget.runtime_files import exclusive_lock, write_atomically
 
 __all__ = [
@@ -55,7 +56,7 @@ LEDGER_DIR_ENV = "KV_BUDGET_LEDGER_DIR"
 """Overrides the default runtime directory (tests give each run its own)."""
 
 
-class LedgerError(RuntimeError):
+class LedgerError(KvBudgetError, RuntimeError):
     """The ledger directory or a ledger file cannot be used; the message says
     which path and how to choose another."""
 

@@ -40,6 +40,7 @@ import torch
 from kv_budget.collect.model import Collection, OwnedSpec
 from kv_budget.collect.specfile import parse_dtype
 from kv_budget.declare.spec import InvalidDeclarationError, ModelLocalKVSpec, RowDriver, Scope
+from kv_budget.errors import KvBudgetError
 from kv_budget.units import parse_positive_int
 
 __all__ = [
@@ -59,7 +60,7 @@ ROOT_OWNER = "<root>"
 """How the root module's path ("") is written in an override and a report."""
 
 
-class OverrideError(ValueError):
+class OverrideError(KvBudgetError, ValueError):
     """An override that cannot be read or applied; the message names it."""
 
 

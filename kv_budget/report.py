@@ -224,7 +224,10 @@ def infeasible_message(plan: Plan) -> str:
     return (
         f"model-local KV does not fit even one sequence on rank {plan.binding_rank}: needs "
         f"{needed:,} B ({plan.uncharged_fixed_bytes:,} B fixed + {plan.per_seq_bytes:,} B per sequence) "
-        f"but {plan.headroom_bytes:,} B are available ({plan.headroom_source}). Declarations: {names}"
+        f"but {plan.headroom_bytes:,} B are available ({plan.headroom_source}). Declarations: {names}. "
+        "To start: a smaller paged pool (a lower --gpu-memory-utilization or --kv-cache-memory-bytes; "
+        "VLLM_CPU_KVCACHE_SPACE on vLLM's CPU build), a shorter --max-model-len where the declared capacity "
+        "follows it, a smaller --model-local-kv-margin, or --model-local-kv-policy warn to start without the bound"
     )
 
 

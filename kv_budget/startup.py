@@ -45,6 +45,7 @@ from kv_budget.deployment import (
     split_for,
     starved,
 )
+from kv_budget.errors import KvBudgetError
 from kv_budget.ledger import LedgerSession, default_ledger_dir, open_ledger
 from kv_budget.override import (
     OverrideError,
@@ -98,7 +99,7 @@ __all__ = [
 ]
 
 
-class ModelLocalKVInfeasibleError(RuntimeError):
+class ModelLocalKVInfeasibleError(KvBudgetError, RuntimeError):
     """Under ``cap``, not even one sequence's model-local KV fits: the
     engine refuses to start rather than fail on the first requests."""
 
@@ -115,7 +116,7 @@ class ModelLocalKVPlanningError(ModelLocalKVInfeasibleError):
                          f"policy {policy.value} refuses to start without a plan")
 
 
-class ModelLocalKVOverrideError(ValueError):
+class ModelLocalKVOverrideError(KvBudgetError, ValueError):
     """An operator override matches no declaration on any worker (of its
     stage, when it names one), or makes a declaration invalid; or supplied
     declarations cannot be read or clash with the model's. Raised under

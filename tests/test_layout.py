@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("kv_budget", "vllm_patches")
 
 FLOW = (
-    ("kv_budget.units", "kv_budget.runtime_files"),
+    ("kv_budget.units", "kv_budget.errors", "kv_budget.runtime_files"),
     ("kv_budget.declare",),
     ("kv_budget.collect",),
     ("kv_budget",),  # the package itself: the declaring surface, from declare and collect
@@ -126,6 +126,19 @@ def test_no_private_name_crosses_a_module_boundary(path):
                 if module.split(".")[0] in PACKAGES and module != here
                 for name in names if name.startswith("_") and not name.startswith("__")]
     assert not crossing, f"{here}: " + "; ".join(crossing)
+
+
+@pytest.mark.parametrize("path", MODULES, ids=module_name)
+def test_every_error_kv_budget_raises_derives_from_one_base(path):
+    """An operator catches everything kv-budget refuses with as ``KvBudgetError``."""
+    own = [node for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)
+           and (node.name.endswith("Error") or any(getattr(b, "id", "") in ("Exception", "ValueError", "RuntimeError",
+                                                                         "TypeError") for b in node.bases))]
+    apart = [node.name for node in own
+             if node.name != "KvBudgetError" and not any(getattr(b, "id", "") == "KvBudgetError" for b in node.bases)
+             and not any(getattr(b, "id", "").endswith("Error") and getattr(b, "id", "") not in (
+                 "ValueError", "RuntimeError", "TypeError") for b in node.bases)]
+    assert not apart, f"{module_name(path)}: {apart} do not derive from kv_budget.errors.KvBudgetError"
 
 
 def test_the_glue_has_no_import_circle():

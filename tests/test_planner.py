@@ -88,6 +88,7 @@ def test_not_one_sequence_is_infeasible_under_cap_only():
     assert make_plan([w], 256, "warn").decision is Decision.WARNED
     message = infeasible_message(make_plan([w], 256, "cap"))
     assert f"{100 * ROW:,} B" in message and f"{100 * ROW - 1:,} B" in message and "m/kv" in message
+    assert "To start:" in message and "--model-local-kv-policy warn" in message  # the fix, in the message
 
 
 def test_a_default_margin_larger_than_what_is_free_starts_at_one_sequence_where_the_live_margin_leaves_room():

@@ -34,10 +34,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
+from kv_budget.errors import KvBudgetError
+
 logger = logging.getLogger("vllm.kv_budget")
 
 
-class UnsupportedVllmError(RuntimeError):
+class UnsupportedVllmError(KvBudgetError, RuntimeError):
     """The installed vLLM lacks a hook point kv-budget needs, or does not
     behave as the hook relies on."""
 

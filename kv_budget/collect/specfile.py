@@ -18,13 +18,14 @@ import torch
 
 from kv_budget.collect.model import Collection, OwnedSpec
 from kv_budget.declare.spec import OPTIONAL_SPEC_FIELDS, SPEC_FIELDS, InvalidDeclarationError, ModelLocalKVSpec
+from kv_budget.errors import KvBudgetError
 
 __all__ = ["SpecFileError", "load_spec_file", "parse_dtype"]
 
 _FIELDS = set(SPEC_FIELDS)
 
 
-class SpecFileError(ValueError):
+class SpecFileError(KvBudgetError, ValueError):
     """A spec file that cannot be read as declarations; names file and entry."""
 
 

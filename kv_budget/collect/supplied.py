@@ -21,11 +21,12 @@ from pathlib import Path
 from kv_budget.collect.model import Collection
 from kv_budget.collect.presets import PRESETS, preset_collection
 from kv_budget.collect.specfile import SpecFileError, load_spec_file
+from kv_budget.errors import KvBudgetError
 
 __all__ = ["SuppliedDeclarationsError", "supplied_collection", "supplied_source", "with_supplied"]
 
 
-class SuppliedDeclarationsError(ValueError):
+class SuppliedDeclarationsError(KvBudgetError, ValueError):
     """A value that is neither a preset nor a readable spec file, or that
     declares a name the model declares too; the message says which."""
 

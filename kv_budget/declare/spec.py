@@ -36,6 +36,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from kv_budget.errors import KvBudgetError
+
 __all__ = [
     "Scope",
     "ModelLocalKVScope",
@@ -77,6 +79,7 @@ ModelLocalKVScope = Scope
 import it from here."""
 
 
+
 class RowDriver(str, Enum):
     """What multiplies one row of a declaration at peak.
 
@@ -92,7 +95,7 @@ class RowDriver(str, Enum):
     """One row per sequence the scheduler may run at once."""
 
 
-class InvalidDeclarationError(ValueError):
+class InvalidDeclarationError(KvBudgetError, ValueError):
     """A declaration that cannot be believed.
 
     The message always names the declaration, the field and the value, so

@@ -38,6 +38,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict
 
+from kv_budget.errors import KvBudgetError
 from kv_budget.units import GiB
 
 __all__ = [
@@ -58,7 +59,7 @@ GRAPH_RESERVE_BYTES = 2 * GiB
 """vLLM-Omni's admission reserve per stage that captures CUDA graphs."""
 
 
-class DeployError(ValueError):
+class DeployError(KvBudgetError, ValueError):
     """A deploy file, or an option about it, that cannot be planned; the
     message names the file, the key and the value."""
 

@@ -71,6 +71,7 @@ from transformers.cache_utils import (
 )
 
 from kv_budget.collect.model import unwrap_model, walk_modules
+from kv_budget.errors import KvBudgetError
 
 __all__ = [
     "UnsupportedCacheError",
@@ -112,7 +113,7 @@ Deeper structures are rare, and searching arbitrary object graphs would find
 caches that belong to someone else."""
 
 
-class UnsupportedCacheError(TypeError):
+class UnsupportedCacheError(KvBudgetError, TypeError):
     """A cache or layer whose memory this module does not know how to count.
     Raised rather than counting part of it: a partial count reads as a
     smaller cache than the truth, which is the dangerous direction."""

@@ -22,6 +22,8 @@ from typing import Any
 
 import psutil
 
+from kv_budget.errors import KvBudgetError
+
 __all__ = [
     "MemorySample",
     "MemorySamplingError",
@@ -35,7 +37,7 @@ __all__ = [
 ]
 
 
-class MemorySamplingError(RuntimeError):
+class MemorySamplingError(KvBudgetError, RuntimeError):
     """No way to sample the device: the planner must not invent a headroom."""
 
 
