@@ -38,10 +38,10 @@ from kv_budget.ledger import this_process
 from kv_budget.plan.deploy import StageDeclarations, plan_deploy
 from kv_budget.plan.deploy_file import load_deploy
 from kv_budget.plan.planner import WorkerBudget, budget_worker, headroom_override
+from kv_budget.sample.in_step import InStepPeaks
 from kv_budget.settings import ModelLocalKVSettings
 from kv_budget.stage import Stage
 from kv_budget.startup import DeploymentPlanning, ModelLocalKVInfeasibleError, final_deployment_plan, plan_startup
-from kv_budget.sample.in_step import InStepPeaks
 from kv_budget.units import GiB, MiB
 
 DEMO_PER_SEQ = 2 * 1 * 2 * 64 * 1088 * 4

@@ -52,12 +52,12 @@ import pytest
 from engine_support import active_seqs_flags, has_max_num_active_seqs
 
 from kv_budget.units import MiB
-from vllm_patches.compat import vllm_distribution, vllm_version
 from kv_budget.watch.metrics import FINDING_KINDS, VERDICTS
 from kv_budget.watch.status import STATUS_DIR_ENV
 from kv_budget_demo.checkpoint import DEFAULT_TALKER, talker_bytes_per_row
 from kv_budget_demo.demo import STATS_DIR_ENV, read_peak_stats
 from kv_budget_demo.serving import ApiServer, LoadResult, send_completions
+from vllm_patches.compat import vllm_distribution, vllm_version
 
 pytestmark = pytest.mark.engine
 

@@ -17,9 +17,9 @@ import vllm_patches
 import kv_budget_demo
 from kv_budget import Collection, ModelLocalKVSpec, OwnedSpec
 from kv_budget.plan.planner import budget_worker, headroom_override, make_plan
+from kv_budget.watch.status import STATUS_DIR_ENV, EngineStatus, status_path, write_status
 from vllm_patches.compat import checked_vllm
 from vllm_patches.patching import PATCH_MARK
-from kv_budget.watch.status import STATUS_DIR_ENV, EngineStatus, status_path, write_status
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

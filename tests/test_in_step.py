@@ -21,8 +21,8 @@ from kv_budget.plan.planner import budget_worker, headroom_override, make_plan
 from kv_budget.plan.reserve import plan_reserve, reserve_out_of_pool, watch_plan
 from kv_budget.sample.caches import HeldBytes, measure_cache_bytes
 from kv_budget.sample.in_step import InStepTracker
-from vllm_patches import cache_updates
 from kv_budget.watch.live import LiveMonitor, WorkerSample
+from vllm_patches import cache_updates
 
 CONFIG = small_qwen2_config()
 PROMPT = 8

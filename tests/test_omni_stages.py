@@ -19,10 +19,10 @@ from kv_budget.plan.planner import budget_worker, headroom_override, make_plan
 from kv_budget.report import render_plan_table
 from kv_budget.stage import Stage, stage_file_name
 from kv_budget.startup import ModelLocalKVOverrideError, budget_loaded_model, checked_results, engine_label
+from kv_budget.watch.metrics import METRICS, label_names, status_samples
+from kv_budget.watch.status import EngineStatus, read_status, stage_status_paths, status_path, write_status
 from vllm_patches.engine import StageLogPrefix
 from vllm_patches.omni import deployment_settings, stage_settings, unmatched_across_stages
-from kv_budget.watch.metrics import METRICS, label_names, status_samples
-from kv_budget.watch.status import EngineStatus, read_status, status_path, write_status
 
 STAGE1 = Stage(stage_id=1, replica=0)
 
@@ -181,6 +181,17 @@ def test_a_stages_series_carry_vllm_omnis_stage_and_replica_labels(tmp_path):
                            for s in samples)
     names = label_names(next(m for m in METRICS if m.name == "kv_budget:headroom_bytes"), staged=True)
     assert names == ("model_name", "stage", "replica", "rank")
+
+
+def test_the_stages_status_files_are_found_by_the_names_they_are_written_under(tmp_path):
+    stage0 = Stage(stage_id=0, replica=0)
+    first, second = write_status(tmp_path, _staged_status(stage0, ["a"], [], [])), write_status(
+        tmp_path, _staged_status(STAGE1, ["b"], [], []))
+    plain = _staged_status(stage0, ["a"], [], []).model_copy(update={"stage": None})
+    write_status(tmp_path, plain)
+    assert set(stage_status_paths(tmp_path)) == {first, second}  # not the plain engine's
+    assert stage_status_paths(tmp_path, 0, STAGE1) == [second]
+    assert stage_status_paths(tmp_path, 1, STAGE1) == []
 
 
 def test_a_stages_log_lines_name_it(caplog):

@@ -14,8 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 
-import vllm_patches
 from kv_budget.settings import ModelLocalKVSettings, settings_from_additional_config
+import vllm_patches
 from vllm_patches import compat
 from vllm_patches.flags import add_flags
 from vllm_patches.patching import PATCH_MARK

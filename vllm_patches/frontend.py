@@ -74,7 +74,7 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 
 from kv_budget.stage import Stage
 from kv_budget.watch.metrics import METRICS, label_names, status_samples
-from kv_budget.watch.status import STATUS_DIR_ENV, read_status, status_path
+from kv_budget.watch.status import STATUS_DIR_ENV, read_status, stage_status_paths, status_path
 from vllm_patches.engine import lower_max_num_seqs
 from vllm_patches.patching import patch_method
 
@@ -186,8 +186,7 @@ class KvBudgetStatLogger(StatLoggerBase):
             return None
         if self.stage is None:
             return status_path(directory, self.model, self.engine_index)
-        found = sorted(Path(directory).glob(f"engine-{self.engine_index}-{self.stage.tag()}-*.json"),
-                       key=lambda path: path.stat().st_mtime_ns)
+        found = stage_status_paths(directory, self.engine_index, self.stage)
         return found[-1] if found else None
 
     def refresh(self) -> int:

@@ -71,7 +71,7 @@ from kv_budget.plan.deploy_file import DeployError, settings_a_platform_replaces
 from kv_budget.settings import CONFIG_KEY, SETTINGS, settings_from_additional_config
 from kv_budget.stage import Stage
 from kv_budget.startup import ModelLocalKVOverrideError
-from kv_budget.watch.status import STATUS_DIR_ENV, EngineStatus, read_status
+from kv_budget.watch.status import STATUS_DIR_ENV, EngineStatus, read_status, stage_status_paths
 from vllm_patches.compat import UnsupportedVllmError
 from vllm_patches.flags import flag_dest, merged_section
 from vllm_patches.omni_deployment import lower_driver_copies, record_deployment
@@ -201,7 +201,7 @@ def patch_config_resolution(omni_config_cls) -> None:
 def stage_statuses(directory: str | Path, pids: set[int]) -> list[EngineStatus]:
     """The status files the stage engine cores ``pids`` wrote in ``directory``."""
     found = []
-    for path in sorted(Path(directory).glob("engine-*-stage*.json")):
+    for path in stage_status_paths(directory):
         try:
             status = read_status(path)
         except (ValueError, OSError):

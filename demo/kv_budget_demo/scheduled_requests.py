@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_patches.patching import patch_method
 from kv_budget_demo.checkpoint import ARCHITECTURE
+from vllm_patches.patching import patch_method
 
 
 def _demo_talker(worker: Any) -> Any | None:

@@ -35,7 +35,7 @@ from kv_budget.runtime_files import write_atomically
 from kv_budget.stage import Stage
 from kv_budget.watch.live import LiveState
 
-__all__ = ["STATUS_DIR_ENV", "EngineStatus", "status_path", "write_status", "read_status"]
+__all__ = ["STATUS_DIR_ENV", "EngineStatus", "status_path", "stage_status_paths", "write_status", "read_status"]
 
 STATUS_DIR_ENV = "KV_BUDGET_STATUS_DIR"
 
@@ -68,6 +68,16 @@ def status_path(directory: str | Path, model: str, engine_index: int, stage: Sta
     digest = hashlib.sha256(model.encode()).hexdigest()[:12]
     staged = f"{stage.tag()}-" if stage is not None else ""
     return Path(directory) / f"engine-{engine_index}-{staged}{digest}.json"
+
+
+def stage_status_paths(directory: str | Path, engine_index: int | None = None, stage: Stage | None = None) -> list[Path]:
+    """The status files of vLLM-Omni stage engines in ``directory``, oldest
+    first: every stage's, or those of one engine index of one stage (a
+    frontend's: another stage may serve another model, so the digest is
+    not known there). Named as :func:`status_path` names them."""
+    index = "*" if engine_index is None else str(engine_index)
+    staged = "stage*" if stage is None else stage.tag()
+    return sorted(Path(directory).glob(f"engine-{index}-{staged}-*.json"), key=lambda path: path.stat().st_mtime_ns)
 
 
 def write_status(directory: str | Path, status: EngineStatus) -> Path:
