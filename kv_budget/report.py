@@ -11,9 +11,10 @@ from __future__ import annotations
 from kv_budget.declare.spec import RowDriver
 from kv_budget.deployment import StageSplit
 from kv_budget.plan.deploy import DeployPlan, DeviceAccount, StageOnDevice, StagePlan
+from kv_budget.plan.deploy_file import GRAPH_RESERVE_BYTES
 from kv_budget.plan.planner import Charge, Decision, DeclarationLine, FailureLine, Plan, WorkerBudget
 from kv_budget.plan.reserve import ReservePlan
-from kv_budget.units import format_bytes
+from kv_budget.units import GiB, format_bytes
 
 __all__ = ["render_plan_table", "render_split", "infeasible_message", "summary_line", "render_deploy_table",
            "deploy_infeasible_message", "render_reserve_table", "reserve_infeasible_message", "render_choices"]
@@ -297,7 +298,7 @@ def _device_lines(device: DeviceAccount, stages: dict[int, StagePlan]) -> list[s
         )
     lines += [
         f"      requested (sum): {format_bytes(device.requested_bytes)}",
-        f"      graph reserve: 2 GiB x {len(graph_stages)} stage(s) capturing CUDA graphs "
+        f"      graph reserve: {GRAPH_RESERVE_BYTES // GiB} GiB x {len(graph_stages)} stage(s) capturing CUDA graphs "
         f"({', '.join(f'stage {e.stage_id}{_replica(e)}' for e in graph_stages) or 'none'}) "
         f"= {format_bytes(device.graph_reserve_bytes)}",
         f"      external reserve (vLLM-Omni constant): {format_bytes(device.external_reserve_bytes)}",
