@@ -4,8 +4,9 @@ The vLLM glue gathers what only vLLM can give and applies what comes back;
 everything between is here, as three calls:
 
 * :func:`budget_loaded_model`, in every worker: settings -> collect ->
-  override -> sample -> budget, returned as plain JSON data (it crosses a
-  process boundary, vLLM's ``collective_rpc``);
+  override -> sample -> budget, returned as a :class:`WorkerResult`'s JSON
+  (it crosses a process boundary, vLLM's ``collective_rpc``), which
+  :func:`checked_results` reads back;
 * :func:`plan_startup`, in the engine core, with every worker's result:
   failures and overrides checked -> the device ledger (and, in a vLLM-Omni
   stage, its deployment's record: :class:`DeploymentPlanning`) -> the plan
@@ -30,7 +31,9 @@ import os
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel
 
 from kv_budget.collect.model import collect_model_local_kv_specs
 from kv_budget.collect.supplied import SuppliedDeclarationsError, supplied_collection, with_supplied
@@ -80,6 +83,8 @@ logger = logging.getLogger("vllm.kv_budget")
 
 __all__ = [
     "NO_HEADROOM_UNDER_RESERVE",
+    "WorkerProblem",
+    "WorkerResult",
     "worker_result",
     "DeploymentPlanning",
     "ModelLocalKVInfeasibleError",
@@ -129,11 +134,40 @@ NO_HEADROOM_UNDER_RESERVE = "not sampled: policy reserve takes model-local KV ou
 
 # --- in every worker ----------------------------------------------------------
 
+class WorkerProblem(BaseModel):
+    """Why a worker has no budget; ``kind`` decides the engine core's answer."""
+
+    kind: Literal["sampling", "override", "failure"]
+    """``sampling``: the device could not be measured (under ``cap`` a refusal
+    naming ``--model-local-kv-headroom``, under ``warn`` a warning);
+    ``override``: an override or supplied declarations are invalid (refused
+    under every policy); ``failure``: anything else (refused)."""
+
+    message: str
+
+
+class WorkerResult(BaseModel):
+    """One worker's answer to :func:`budget_loaded_model`."""
+
+    rank: int
+    budget: WorkerBudget | None = None
+    """None where ``problem`` says why."""
+    problem: WorkerProblem | None = None
+    declarations: list[str] = []
+    """Every declaration collected, ``owner/name``: what an unmatched override's message lists."""
+    overrides: list[str] = []
+    """The operator's overrides that apply here (its stage's and unqualified ones), as given."""
+    unmatched_overrides: list[str] = []
+    device: str | None = None
+    """The device's identity for the ledger; None with the ledger off."""
+    seconds: float = 0.0
+
+
 def worker_result(rank: int, failure: str | None = None) -> dict:
-    """A worker's answer with no budget yet: what :func:`budget_loaded_model`
-    fills in, or, with ``failure``, a refusal :func:`checked_results` names."""
-    return {"rank": rank, "budget": None, "error": None, "override_error": None, "failure": failure,
-            "declarations": [], "overrides": [], "unmatched_overrides": [], "seconds": 0.0}
+    """The wire form of a worker's answer with no budget: with ``failure``,
+    a refusal :func:`checked_results` names."""
+    problem = WorkerProblem(kind="failure", message=failure) if failure else None
+    return WorkerResult(rank=rank, problem=problem).model_dump(mode="json")
 
 
 def budget_loaded_model(
@@ -144,35 +178,34 @@ def budget_loaded_model(
     ones, apply the operator's overrides (those for vLLM-Omni stage
     ``stage_id``; None: a plain vLLM engine), sample the worker's device
     (unless ``sample`` is False: ``reserve`` needs no headroom), and budget
-    it. A problem is reported in
-    ``error`` / ``override_error`` / ``failure`` for :func:`plan_startup` to
-    raise, with every rank's figures in hand; this never raises."""
+    it. Returns a :class:`WorkerResult`'s JSON; a problem is its
+    ``problem``, for :func:`checked_results` and :func:`plan_startup` to
+    raise with every rank's figures in hand; this never raises."""
     start = time.perf_counter()
-    result = worker_result(rank)
+    result = WorkerResult(rank=rank)
     try:
         config = ModelLocalKVSettings.model_validate(settings)
         collection = collect_model_local_kv_specs(model)
         if config.declarations:
             collection = with_supplied(collection, supplied_collection(config.declarations))
-        result["declarations"] = [declaration_label(owned.owner, owned.spec.name) for owned in collection.specs]
+        result.declarations = [declaration_label(owned.owner, owned.spec.name) for owned in collection.specs]
         overrides = overrides_for_stage(parse_overrides(config.overrides), stage_id)
         collection, unmatched = apply_overrides(collection, overrides)
-        result["overrides"] = [o.text for o in overrides]
-        result["unmatched_overrides"] = [o.text for o in unmatched]
+        result.overrides = [o.text for o in overrides]
+        result.unmatched_overrides = [o.text for o in unmatched]
         headroom = _worker_headroom(rank, device, config, sharers) if sample else headroom_override(
             0, NO_HEADROOM_UNDER_RESERVE)
         if config.ledger_dir != LEDGER_OFF:
-            result["device"] = device_identity(*device)
-        budget = budget_worker(collection, headroom, rank=rank, max_num_seqs=configured_max_num_seqs)
-        result["budget"] = budget.model_dump(mode="json")
+            result.device = device_identity(*device)
+        result.budget = budget_worker(collection, headroom, rank=rank, max_num_seqs=configured_max_num_seqs)
     except (OverrideError, SuppliedDeclarationsError) as exc:
-        result["override_error"] = str(exc)
+        result.problem = WorkerProblem(kind="override", message=str(exc))
     except MemorySamplingError as exc:
-        result["error"] = str(exc)
+        result.problem = WorkerProblem(kind="sampling", message=str(exc))
     except Exception as exc:  # noqa: BLE001 - reported to the engine core, which refuses in one line
-        result["failure"] = f"{type(exc).__name__}: {exc}"
-    result["seconds"] = time.perf_counter() - start
-    return result
+        result.problem = WorkerProblem(kind="failure", message=f"{type(exc).__name__}: {exc}")
+    result.seconds = time.perf_counter() - start
+    return result.model_dump(mode="json")
 
 
 def _worker_headroom(rank: int, device: tuple[str, int], config: ModelLocalKVSettings, sharers: int) -> Headroom:
@@ -185,8 +218,8 @@ def _worker_headroom(rank: int, device: tuple[str, int], config: ModelLocalKVSet
 
 # --- in the engine core -------------------------------------------------------
 
-def checked_results(results: list[dict], policy: Policy, stage: Stage | None = None) -> list[dict]:
-    """Every worker's result, or the refusal it calls for: a worker that
+def checked_results(answers: list[dict], policy: Policy, stage: Stage | None = None) -> list[WorkerResult]:
+    """Every worker's result (its wire form read back), or the refusal it calls for: a worker that
     failed (:class:`ModelLocalKVPlanningError`), an override that made a
     declaration invalid on some rank or matched no declaration on any rank
     (:class:`ModelLocalKVOverrideError`; tensor-parallel ranks may declare
@@ -196,15 +229,16 @@ def checked_results(results: list[dict], policy: Policy, stage: Stage | None = N
     nothing is refused here; an unqualified one is the deployment's to
     judge (another stage may have the declaration): logged, and left in
     ``unmatched_overrides`` for the driver's check across stages."""
-    failures = [f"rank {r['rank']}: {r['failure']}" for r in results if r["failure"]]
+    results = [WorkerResult.model_validate(answer) for answer in answers]
+    failures = [f"rank {r.rank}: {r.problem.message}" for r in results if r.problem and r.problem.kind == "failure"]
     if failures:
         raise ModelLocalKVPlanningError(failures, policy)
     for result in results:
-        if result["override_error"]:
-            raise ModelLocalKVOverrideError(f"rank {result['rank']}: {result['override_error']}")
+        if result.problem and result.problem.kind == "override":
+            raise ModelLocalKVOverrideError(f"rank {result.rank}: {result.problem.message}")
     texts = unmatched_on_every_worker(results)
     refused = [o for o in parse_overrides(texts) if stage is None or o.stage is not None]
-    available = [label for r in results for label in r["declarations"]]
+    available = [label for r in results for label in r.declarations]
     if refused:
         where = "" if stage is None else f"{stage.label()}: "
         raise ModelLocalKVOverrideError(where + unmatched_message(refused, available))
@@ -215,14 +249,14 @@ def checked_results(results: list[dict], policy: Policy, stage: Stage | None = N
     return results
 
 
-def unmatched_on_every_worker(results: list[dict]) -> list[str]:
+def unmatched_on_every_worker(results: list[WorkerResult]) -> list[str]:
     """The overrides that matched a declaration on no worker, in order."""
-    nowhere = set.intersection(*(set(r["unmatched_overrides"]) for r in results))
-    return [text for text in results[0]["unmatched_overrides"] if text in nowhere]
+    nowhere = set.intersection(*(set(r.unmatched_overrides) for r in results))
+    return [text for text in results[0].unmatched_overrides if text in nowhere]
 
 
 def plan_startup(
-    results: list[dict], settings: ModelLocalKVSettings, configured: int, label: str, vllm_figures: dict,
+    results: list[WorkerResult], settings: ModelLocalKVSettings, configured: int, label: str, vllm_figures: dict,
     started: float, stage: Stage | None = None, deployment: DeploymentPlanning | None = None,
 ) -> Plan | None:
     """Plan from every worker's :func:`checked_results`: against the device
@@ -233,7 +267,7 @@ def plan_startup(
     :class:`ModelLocalKVInfeasibleError` when nothing fits under ``cap``,
     or when a device could not be measured under ``cap``; under ``warn`` the
     latter logs and returns None."""
-    errors = [f"rank {r['rank']}: {r['error']}" for r in results if r["error"]]
+    errors = [f"rank {r.rank}: {r.problem.message}" for r in results if r.problem and r.problem.kind == "sampling"]
     if errors:
         message = (
             "kv-budget could not measure device memory (" + "; ".join(errors) + "); "
@@ -243,8 +277,8 @@ def plan_startup(
             raise ModelLocalKVInfeasibleError(message)
         logger.warning("%s; policy warn: max_num_seqs left at %d", message, configured)
         return None
-    workers = [WorkerBudget.model_validate(r["budget"]) for r in results]
-    devices = [r.get("device") for r in results]
+    workers = [r.budget for r in results]
+    devices = [r.device for r in results]
     plan = _plan_on_shared_devices(workers, devices, settings, configured, label, deployment)
     seconds = time.perf_counter() - started
     split = deployment.split if deployment is not None else None
@@ -262,7 +296,7 @@ def plan_startup(
                     "(%.3f s over %d worker(s))", configured, seconds, len(workers))
     if settings.report_path:
         write_report(report_file(settings, stage), {**plan.model_dump(mode="json"), "plugin_seconds": seconds,
-                                                    "worker_seconds": [r["seconds"] for r in results],
+                                                    "worker_seconds": [r.seconds for r in results],
                                                     "deployment": _split_json(split)},
                      vllm_figures, stage)
     if plan.decision is Decision.INFEASIBLE:

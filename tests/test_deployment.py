@@ -41,7 +41,13 @@ from kv_budget.plan.planner import WorkerBudget, budget_worker, headroom_overrid
 from kv_budget.sample.in_step import InStepPeaks
 from kv_budget.settings import ModelLocalKVSettings
 from kv_budget.stage import Stage
-from kv_budget.startup import DeploymentPlanning, ModelLocalKVInfeasibleError, final_deployment_plan, plan_startup
+from kv_budget.startup import (
+    DeploymentPlanning,
+    ModelLocalKVInfeasibleError,
+    WorkerResult,
+    final_deployment_plan,
+    plan_startup,
+)
 from kv_budget.units import GiB, MiB
 
 DEMO_PER_SEQ = 2 * 1 * 2 * 64 * 1088 * 4
@@ -248,8 +254,7 @@ def test_the_stage_that_planned_first_gets_the_final_split_from_the_startup_path
 
     def result(configured):
         budget = budget_worker(collection, headroom_override(96 * MiB), max_num_seqs=configured)
-        return [{"rank": 0, "budget": budget.model_dump(mode="json"), "error": None, "seconds": 0.0,
-                 "device": "cpu:test"}]
+        return [WorkerResult(rank=0, budget=budget, device="cpu:test")]
 
     plans = {}
     planning = {}
@@ -282,7 +287,7 @@ def test_the_stage_completing_the_record_refuses_when_the_final_split_starves_an
     def plan(sid, configured, headroom):
         stage = Stage(stage_id=sid, replica=0)
         budget = budget_worker(collection, headroom_override(headroom), max_num_seqs=configured)
-        results = [{"rank": 0, "budget": budget.model_dump(mode="json"), "error": None, "seconds": 0.0}]
+        results = [WorkerResult(rank=0, budget=budget)]
         return plan_startup(results, settings, configured, "e", vllm, 0.0, stage,
                             DeploymentPlanning(path, read_deployment(path), stage))
 

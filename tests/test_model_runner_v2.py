@@ -200,7 +200,7 @@ def test_a_v2_runner_holding_its_model_is_planned_on(v2_runner_classes, which):
     worker = _worker(_runner(v2_runner_classes[which], model=model))
     assert model_runner_v2_problem(worker) is None
     result = budget_on_worker(worker, _settings(), 256, 1)
-    assert result["failure"] is None and result["declarations"] == ["talker/kv"]
+    assert result["problem"] is None and result["declarations"] == ["talker/kv"]
     settings = ModelLocalKVSettings(headroom_bytes=10 * ROW, ledger_dir="off")
     plan = plan_startup(checked_results([result], Policy.CAP), settings, 256, "pid 1: model m", VLLM, started=0.0)
     assert (plan.decision, plan.effective_max_num_seqs) == (Decision.CAPPED, 10)
@@ -259,7 +259,8 @@ def test_a_v2_worker_without_its_model_refuses_in_one_line(v2_runner_classes, po
     gpu, _ = v2_runner_classes
     results = [budget_on_worker(_worker(_runner(gpu, model=RequestDeclaringModel()), rank=0), _settings(policy=policy), 256, 1),
                budget_on_worker(_worker(_runner(gpu), rank=1), _settings(policy=policy), 256, 1)]
-    assert results[0]["failure"] is None and results[1]["budget"] is None
+    assert results[0]["problem"] is None and results[1]["budget"] is None
+    assert results[1]["problem"]["kind"] == "failure"
     with pytest.raises(ModelLocalKVPlanningError) as info:
         checked_results(results, policy)
     message = str(info.value)

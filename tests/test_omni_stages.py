@@ -95,7 +95,7 @@ def test_a_qualified_override_that_matches_nothing_in_its_stage_stops_it():
         checked_results(results, "cap", STAGE1)
     # the same override is another stage's: stage 0 neither applies nor refuses it
     (result,) = _results(Model("kept"), ["1:holders.0/other:layers=2"], 0)
-    assert result["unmatched_overrides"] == [] and result["override_error"] is None
+    assert result["unmatched_overrides"] == [] and result["problem"] is None
 
 
 def test_outside_vllm_omni_an_unmatched_override_still_stops_the_engine():

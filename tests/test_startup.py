@@ -36,7 +36,7 @@ def worker_result(rank=0, **settings):
 
 def test_a_worker_budgets_its_loaded_model_against_the_operators_headroom():
     result = worker_result()
-    assert (result["failure"], result["error"], result["override_error"]) == (None, None, None)
+    assert result["problem"] is None
     assert result["declarations"] == ["talker/kv"]
     assert result["budget"]["per_seq_bytes"] == ROW and result["budget"]["headroom"]["bytes"] == 10 * ROW
 
@@ -63,14 +63,15 @@ def test_an_override_that_matches_nothing_or_a_failed_worker_refuses_naming_it()
     unmatched = worker_result(overrides=("talker/nope:rows_fixed=2",))
     with pytest.raises(ModelLocalKVOverrideError, match="talker/nope"):
         checked_results([unmatched], Policy.CAP)
-    failed = {**worker_result(), "failure": "RuntimeError: boom"}
+    failed = {**worker_result(), "problem": {"kind": "failure", "message": "RuntimeError: boom"}}
     with pytest.raises(ModelLocalKVPlanningError, match="rank 0: RuntimeError: boom"):
         checked_results([failed], Policy.WARN)
 
 
 def test_an_unmeasured_device_refuses_under_cap_and_leaves_the_engine_alone_under_warn():
-    results = [{**worker_result(), "error": "no memory figure"}]
-    with pytest.raises(ModelLocalKVInfeasibleError, match="--model-local-kv-headroom SIZE"):
+    answers = [{**worker_result(), "budget": None, "problem": {"kind": "sampling", "message": "no memory figure"}}]
+    results = checked_results(answers, Policy.CAP)  # not the worker's fault: the plan decides what it means
+    with pytest.raises(ModelLocalKVInfeasibleError, match=r"rank 0: no memory figure.*--model-local-kv-headroom SIZE"):
         plan_startup(results, ModelLocalKVSettings(ledger_dir="off"), 256, "e", VLLM, started=0.0)
     assert plan_startup(results, ModelLocalKVSettings(policy="warn", ledger_dir="off"), 256, "e", VLLM,
                         started=0.0) is None

@@ -83,7 +83,7 @@ def reserve_in_pool(executor: Any, available: list[int], settings: ModelLocalKVS
                        ", ".join(ignored))
     start = time.perf_counter()
     results = collect_budgets(executor, vllm_config, settings, sample=False)
-    workers = [WorkerBudget.model_validate(r["budget"]) for r in results]
+    workers = [r.budget for r in results]
     configured = vllm_config.scheduler_config.max_num_seqs
     reservations = [
         reserve_out_of_pool(worker, configured, pool, block, sequence)
@@ -94,10 +94,10 @@ def reserve_in_pool(executor: Any, available: list[int], settings: ModelLocalKVS
     if not plan.feasible:
         report_reserve(plan, binding, settings, time.perf_counter() - start, vllm_figures(), stage_of(vllm_config))
         raise ModelLocalKVInfeasibleError(reserve_infeasible_message(plan))
-    record_in_ledger(settings, [r.get("device") for r in results], [r.reserved_bytes for r in plan.reservations],
+    record_in_ledger(settings, [r.device for r in results], [r.reserved_bytes for r in plan.reservations],
                      this_engine(vllm_config))
     setattr(executor, _PENDING, (plan, binding, settings, time.perf_counter() - start, workers,
-                                 results[0].get("overrides", [])))
+                                 results[0].overrides))
     setattr(executor, _RESERVED, True)
     return [r.pool_bytes_after for r in plan.reservations]
 

@@ -111,7 +111,7 @@ def plan_after_kv_caches(core: Any, vllm_config: Any) -> Plan | None:
     elif plan.decision is Decision.WARNED:
         logger.warning("%s", summary_line(plan))
     split = deployment.split if deployment is not None else None
-    live = start_live(core, vllm_config, plan, settings, stage, results[0]["overrides"],
+    live = start_live(core, vllm_config, plan, settings, stage, results[0].overrides,
                       unmatched_on_every_worker(results), deployment)
     if split is not None and not split.final:
         core._kv_budget_pending_split = PendingSplit(deployment, settings, configured, label, vllm_figures(), live)
@@ -126,13 +126,13 @@ def refuse_reserve_without_pool(core: Any, vllm_config: Any, settings: Any, stag
     in silence is a guess. With none, one line and nothing to do."""
     results = collect_budgets(core, vllm_config, settings, sample=False)
     who = stage.label() if stage is not None else "this engine"
-    if not any(r["declarations"] for r in results):
+    if not any(r.declarations for r in results):
         logger.info("kv-budget: %s has no paged KV pool and declares no model-local KV: policy reserve has "
                     "nothing to do", who)
         return
     raise ModelLocalKVInfeasibleError(
         f"kv-budget: policy reserve cannot protect {who} (model {vllm_config.model_config.model}): it has no paged "
-        f"KV pool to take its model-local KV ({', '.join(results[0]['declarations'])}) out of; use policy cap for "
+        f"KV pool to take its model-local KV ({', '.join(results[0].declarations)}) out of; use policy cap for "
         "it (--model-local-kv-policy cap, or in vLLM-Omni that stage's additional_config.model_local_kv.policy: cap)"
     )
 

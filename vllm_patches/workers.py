@@ -22,7 +22,7 @@ import os
 from typing import Any
 
 from kv_budget.settings import ModelLocalKVSettings
-from kv_budget.startup import budget_loaded_model, checked_results, engine_label, worker_result
+from kv_budget.startup import WorkerResult, budget_loaded_model, checked_results, engine_label, worker_result
 from vllm_patches.compat import checked_vllm, model_runner_v2_problem, runs_model_runner_v2
 from vllm_patches.engine import stage_of
 
@@ -66,7 +66,8 @@ def this_engine(vllm_config: Any) -> str:
     return engine_label(os.getpid(), str(vllm_config.model_config.model), stage_of(vllm_config))
 
 
-def collect_budgets(core: Any, vllm_config: Any, settings: ModelLocalKVSettings, sample: bool = True) -> list[dict]:
+def collect_budgets(core: Any, vllm_config: Any, settings: ModelLocalKVSettings,
+                    sample: bool = True) -> list[WorkerResult]:
     """Every worker's budget (``budget_on_worker``), failures and overrides checked."""
     stage = stage_of(vllm_config)
     results = core.collective_rpc(
