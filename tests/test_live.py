@@ -21,6 +21,7 @@ from kv_budget.settings import Policy
 from kv_budget.watch.live import (
     DEAD_AFTER_COMPLETED,
     DeviceFree,
+    LiveMeasurement,
     MAX_SAMPLING_FRACTION,
     first_admission,
     LiveMonitor,
@@ -415,6 +416,20 @@ def test_sampling_is_due_by_interval_and_refuses_an_off_plan():
         LiveMonitor(plan_for(stage, headroom=10 * ROW_BYTES), sample_interval_s=-1)
     with pytest.raises(ValueError, match="not off"):
         LiveMonitor(plan_for(stage, headroom=10 * ROW_BYTES).model_copy(update={"policy": Policy.OFF}))
+
+
+def test_a_live_measurement_crosses_the_rpc_as_json_and_gives_the_monitor_its_sample():
+    step = InStepPeaks(owners={"talker": ROW_BYTES}, undeclared={}, peak_bytes=ROW_BYTES, caches=1, updates=1,
+                       seconds=0.01)
+    answer = LiveMeasurement(rank=1, owners=[{"owner": "talker", "bytes": 2 * ROW_BYTES}], step=step,
+                             free=DeviceFree(free_bytes=10, source="test device"), seconds=0.02).model_dump(mode="json")
+    measured = LiveMeasurement.model_validate(answer)
+    assert measured.sample(watched=True).step == step and measured.sample(watched=False).step is None
+    assert measured.sample(watched=True).free.free_bytes == 10 and measured.label() == "rank 1"
+    failed = LiveMeasurement(rank=None, error="the sampling RPC failed: OSError: gone")
+    assert failed.label() == "rank ?"
+    with pytest.raises(ValueError, match="no worker answered"):
+        failed.sample(watched=False)
 
 
 def _whisper_owner():

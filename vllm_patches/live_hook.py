@@ -48,7 +48,14 @@ from kv_budget.sample.in_step import InStepTracker
 from kv_budget.settings import LEDGER_OFF, ModelLocalKVSettings, Policy
 from kv_budget.stage import Stage
 from kv_budget.startup import DeploymentPlanning, final_deployment_plan
-from kv_budget.watch.live import WATCHED_POLICIES, LiveMonitor, WorkerSample
+from kv_budget.watch.live import (
+    WATCHED_POLICIES,
+    DeviceFree,
+    LiveMeasurement,
+    LiveMonitor,
+    OwnerBytes,
+    WindowOpening,
+)
 from kv_budget.watch.status import STATUS_DIR_ENV, EngineStatus, write_status
 import vllm_patches.cache_updates as cache_updates
 from vllm_patches.compat import checked_vllm
@@ -96,19 +103,20 @@ def _per_model(table: dict, cls: type, model: Any, *owners: list[str]) -> Any:
 def watch_step_on_worker(worker: Any, owners_by_rank: dict[int, list[str]]) -> dict:
     """Runs in every worker (``collective_rpc``) before a sampled step:
     open the in-step window (:mod:`vllm_patches.cache_updates`) that the
-    next :func:`measure_on_worker` closes. ``error`` says why it cannot."""
+    next :func:`measure_on_worker` closes. A :class:`WindowOpening`'s JSON;
+    ``error`` says why it cannot."""
     start, cpu = time.perf_counter(), time.thread_time()
-    result: dict[str, Any] = {"rank": worker.rank, "error": None}
+    result = WindowOpening(rank=worker.rank)
     try:
-        result["error"] = cache_updates.install()
-        if result["error"] is None:
+        result.error = cache_updates.install()
+        if result.error is None:
             model = worker.model_runner.model
             cache_updates.start(_per_model(_trackers, InStepTracker, model, owners_by_rank.get(worker.rank, [])))
     except Exception as exc:  # noqa: BLE001 - a sample must never take the engine down
-        result["error"] = f"{type(exc).__name__}: {exc}"
-    result["seconds"] = time.perf_counter() - start
-    result["cpu_seconds"] = time.thread_time() - cpu
-    return result
+        result.error = f"{type(exc).__name__}: {exc}"
+    result.seconds = time.perf_counter() - start
+    result.cpu_seconds = time.thread_time() - cpu
+    return result.model_dump(mode="json")
 
 
 def measure_on_worker(worker: Any, owners_by_rank: dict[int, list[str]],
@@ -119,15 +127,14 @@ def measure_on_worker(worker: Any, owners_by_rank: dict[int, list[str]],
     window was open, the step's peaks (caches the window counted are not
     counted twice), and with ``watch_device`` the device's free memory
     as the startup sampler reads it (``free``; None when it cannot be
-    read: the watch skips that sample). Plain
-    JSON data back; a cache the audit cannot count is reported in ``error``
-    (sampling stops on that rank rather than publish a partial figure), a
-    window that could not count one in ``step_error``."""
+    read: the watch skips that sample). A :class:`LiveMeasurement`'s JSON;
+    a cache the audit cannot count is reported in ``error`` (sampling stops
+    on that rank rather than publish a partial figure), a window that could
+    not count one in ``step_error``."""
     start, cpu = time.perf_counter(), time.thread_time()
     owners = owners_by_rank.get(worker.rank, [])
     model = worker.model_runner.model
-    result: dict[str, Any] = {"rank": worker.rank, "owners": [], "step": None, "step_error": None, "error": None,
-                              "free": None}
+    result = LiveMeasurement(rank=worker.rank)
     tracker = cache_updates.stop()
     window = tracker.end() if tracker is not None else None
     try:
@@ -136,25 +143,25 @@ def measure_on_worker(worker: Any, owners_by_rank: dict[int, list[str]],
         holders = [*(holders_by_rank or {}).get(worker.rank, []), *(window.undeclared if window is not None else ())]
         scanner = _per_model(_scanners, HeldBytes, model, owners, list(dict.fromkeys(holders)))
         held, untouched = scanner.measure_apart(tracker.touched() if tracker is not None else set())
-        result["owners"] = [{"owner": owner, "bytes": size} for owner, size in held.items()]
+        result.owners = [OwnerBytes(owner=owner, bytes=size) for owner, size in held.items()]
         if window is not None and window.error is not None:
-            result["step_error"] = window.error
+            result.step_error = window.error
         elif window is not None:
-            result["step"] = window.with_untouched(untouched).model_dump()
+            result.step = window.with_untouched(untouched)
         if watch_device:
             device = worker.device
             with contextlib.suppress(MemorySamplingError):
                 sampled = sample_memory(device.type, device.index or 0)
-                result["free"] = {"free_bytes": sampled.free_bytes, "source": sampled.source,
-                                  "peak_excess_bytes": _process_peak(worker).read()}
+                result.free = DeviceFree(free_bytes=sampled.free_bytes, source=sampled.source,
+                                         peak_excess_bytes=_process_peak(worker).read())
     except UnsupportedCacheError as exc:
-        result["error"] = str(exc)
+        result.error = str(exc)
     except Exception as exc:  # noqa: BLE001 - a sample must never take the engine down
-        result["error"] = f"{type(exc).__name__}: {exc}"
+        result.error = f"{type(exc).__name__}: {exc}"
     tracking = window.seconds if window is not None else 0.0
-    result["seconds"] = time.perf_counter() - start + tracking
-    result["cpu_seconds"] = time.thread_time() - cpu + tracking
-    return result
+    result.seconds = time.perf_counter() - start + tracking
+    result.cpu_seconds = time.thread_time() - cpu + tracking
+    return result.model_dump(mode="json")
 
 
 def apply_limit(scheduler: Any, limit: int) -> int:
@@ -254,10 +261,11 @@ class LiveHook:
             return
         cpu = time.thread_time()
         try:
-            results = core.collective_rpc(watch_step_on_worker, args=(self.owners_by_rank,))
+            answers = core.collective_rpc(watch_step_on_worker, args=(self.owners_by_rank,))
+            results = [WindowOpening.model_validate(answer) for answer in answers]
         except Exception as exc:  # noqa: BLE001 - a sample must never take the engine down
-            results = [{"rank": "?", "error": f"the RPC failed: {type(exc).__name__}: {exc}"}]
-        errors = [f"rank {r['rank']}: {r['error']}" for r in results if r["error"]]
+            results = [WindowOpening(rank=None, error=f"the RPC failed: {type(exc).__name__}: {exc}")]
+        errors = [f"{r.label()}: {r.error}" for r in results if r.error]
         if errors:
             self._stop_step_peaks("; ".join(errors))
             try:  # close any window that did open, on the ranks where it did
@@ -266,7 +274,7 @@ class LiveHook:
                 pass
             return
         self.watching = True
-        self.watch_seconds = time.thread_time() - cpu + max(r["cpu_seconds"] for r in results)
+        self.watch_seconds = time.thread_time() - cpu + max(r.cpu_seconds for r in results)
 
     def _start(self, core: Any) -> None:
         """Before the first step: the workers count their peak from here,
@@ -324,28 +332,25 @@ class LiveHook:
         cpu = time.thread_time()
         opening, self.watching, self.watch_seconds = self.watch_seconds, False, 0.0
         try:
-            results = core.collective_rpc(measure_on_worker,
+            answers = core.collective_rpc(measure_on_worker,
                                           args=(self.owners_by_rank, self.monitor.undeclared_holders(),
                                                 self.watch_device))
+            results = [LiveMeasurement.model_validate(answer) for answer in answers]
         except Exception as exc:  # noqa: BLE001 - see the docstring
-            results = [{"rank": "?", "error": f"the sampling RPC failed: {type(exc).__name__}: {exc}"}]
-        errors = [f"rank {r['rank']}: {r['error']}" for r in results if r["error"]]
+            results = [LiveMeasurement(rank=None, error=f"the sampling RPC failed: {type(exc).__name__}: {exc}")]
+        errors = [f"{r.label()}: {r.error}" for r in results if r.error]
         if errors:
             self.stopped = "; ".join(errors)
             logger.warning(
                 "kv-budget: live sampling stopped (the startup limit %d stays in force): %s",
                 self.monitor.limit, self.stopped)
             return
-        step_errors = [f"rank {r['rank']}: {r['step_error']}" for r in results if r.get("step_error")]
+        step_errors = [f"{r.label()}: {r.step_error}" for r in results if r.step_error]
         if step_errors:
             self._stop_step_peaks("; ".join(step_errors))
         scheduler = core.scheduler
-        watched = not step_errors and all(r.get("step") is not None for r in results)
-        samples = [
-            WorkerSample(rank=r["rank"], owners=r["owners"], seconds=r["seconds"], step=r["step"] if watched else None,
-                         free=r.get("free"))
-            for r in results
-        ]
+        watched = not step_errors and all(r.step is not None for r in results)
+        samples = [r.sample(watched) for r in results]
         parked = parked_requests(scheduler)
         update = self.monitor.observe(
             samples,
@@ -373,10 +378,10 @@ class LiveHook:
             )
         # What the sample cost, in CPU time (a busy machine's waits are not its cost): opening the
         # windows, the slowest worker's measuring (tracking inside the step included), the engine core's part.
-        workers = max((r.get("cpu_seconds", 0.0) for r in results), default=0.0)
+        workers = max((r.cpu_seconds for r in results), default=0.0)
         self.monitor.note_cost(time.thread_time() - cpu + opening + workers)
         if watched:
-            self.monitor.tracking_seconds_total += max(r["step"]["seconds"] for r in results)
+            self.monitor.tracking_seconds_total += max(r.step.seconds for r in results)
         self.write_status()
 
     def write_status(self) -> None:

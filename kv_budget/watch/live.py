@@ -74,6 +74,8 @@ __all__ = [
     "DeviceFree",
     "OwnerBytes",
     "WorkerSample",
+    "WindowOpening",
+    "LiveMeasurement",
     "OwnerExpectation",
     "OwnerLive",
     "RankLive",
@@ -165,6 +167,49 @@ class WorkerSample(BaseModel):
     free: DeviceFree | None = None
     """The device's free memory after the step; None where the plan's
     headroom was the operator's (no margin to watch) or it was not sampled."""
+
+
+class WindowOpening(BaseModel):
+    """One worker's answer to opening the in-step window before a sampled
+    step (its JSON crosses ``collective_rpc``)."""
+
+    rank: int | None
+    """None: the RPC itself failed, no worker answered."""
+    error: str | None = None
+    """Why the window could not open; in-step measurement then stops."""
+    seconds: float = 0.0
+    cpu_seconds: float = 0.0
+
+    def label(self) -> str:
+        return "rank ?" if self.rank is None else f"rank {self.rank}"
+
+
+class LiveMeasurement(BaseModel):
+    """One worker's answer to a live sample (its JSON crosses ``collective_rpc``)."""
+
+    rank: int | None
+    """None: the RPC itself failed, no worker answered."""
+    owners: list[OwnerBytes] = []
+    step: InStepPeaks | None = None
+    """The window's peaks, where one was open and counted every cache."""
+    step_error: str | None = None
+    """Why the open window could not count a cache; in-step measurement then stops."""
+    error: str | None = None
+    """Why the worker could not measure at all; sampling then stops."""
+    free: DeviceFree | None = None
+    """The device as the startup sampler reads it, where the watch follows it and it could be read."""
+    seconds: float = 0.0
+    cpu_seconds: float = 0.0
+
+    def label(self) -> str:
+        return "rank ?" if self.rank is None else f"rank {self.rank}"
+
+    def sample(self, watched: bool) -> WorkerSample:
+        """What the monitor judges: the step's peaks only where every worker's window was watched."""
+        if self.rank is None:
+            raise ValueError(f"no worker answered: {self.error}")
+        return WorkerSample(rank=self.rank, owners=self.owners, seconds=self.seconds,
+                            step=self.step if watched else None, free=self.free)
 
 
 class OwnerExpectation(BaseModel):
