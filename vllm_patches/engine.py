@@ -10,17 +10,37 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, TypeVar
 
 from kv_budget.stage import Stage
 from vllm_patches.compat import checked_vllm
 
 logger = logging.getLogger("vllm.kv_budget")
 
-__all__ = ["REPLICA_ENV", "StageLogPrefix", "lower_max_num_seqs", "prefix_stage_logs", "stage_of"]
+__all__ = ["REPLICA_ENV", "STATE_ATTRIBUTE", "StageLogPrefix", "attached_state", "lower_max_num_seqs",
+           "prefix_stage_logs", "stage_of"]
 
 REPLICA_ENV = "VLLM_OMNI_REPLICA_ID"
 """Set by vLLM-Omni in each stage replica's engine-core process."""
+
+STATE_ATTRIBUTE = "_kv_budget"
+"""The one attribute kv-budget sets on a vLLM object (an engine core, an executor): its typed state there."""
+
+State = TypeVar("State")
+
+
+def attached_state(owner: Any, state_type: type[State]) -> State:
+    """kv-budget's ``state_type`` on ``owner``, created on first use. One
+    typed object per vLLM object, so a reader of a hook sees every field
+    kv-budget keeps there in one class."""
+    state = getattr(owner, STATE_ATTRIBUTE, None)
+    if state is None:
+        state = state_type()
+        setattr(owner, STATE_ATTRIBUTE, state)
+    if not isinstance(state, state_type):
+        raise TypeError(f"{type(owner).__name__}.{STATE_ATTRIBUTE} holds a {type(state).__name__}, "
+                        f"not kv-budget's {state_type.__name__}")
+    return state
 
 
 def stage_of(vllm_config: Any) -> Stage | None:

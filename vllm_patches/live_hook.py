@@ -38,6 +38,7 @@ import contextlib
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from kv_budget.deployment import DeploymentError
@@ -59,7 +60,7 @@ from kv_budget.watch.live import (
 from kv_budget.watch.status import STATUS_DIR_ENV, EngineStatus, write_status
 import vllm_patches.cache_updates as cache_updates
 from vllm_patches.compat import checked_vllm
-from vllm_patches.engine import lower_max_num_seqs
+from vllm_patches.engine import attached_state, lower_max_num_seqs
 from vllm_patches.omni_chunks import count_parked_in_scheduler, parked_requests, parks_requests
 from vllm_patches.patching import patch_method
 
@@ -419,7 +420,7 @@ def start_live(core: Any, vllm_config: Any, plan: Plan, settings: ModelLocalKVSe
         return hook
     if not any(hook.owners_by_rank.values()) and not settings.step_peaks:
         return hook
-    core._kv_budget_live = hook
+    attached_state(core, CoreState).live = hook
     logger.info(
         "kv-budget: live sampling every %.3g s of %d declaring owner(s)%s; status in %s",
         settings.sample_interval_s, sum(len(o) for o in hook.owners_by_rank.values()),
@@ -455,7 +456,7 @@ class PendingSplit:
                                ", ".join(s.label() for s in self.deployment.split.waiting_for))
                 logged = True
             time.sleep(self.POLL_S)
-        core._kv_budget_pending_split = None
+        attached_state(core, CoreState).pending_split = None
         if plan.decision is Decision.INFEASIBLE:
             # The stage that completed the record refuses on this (kv_budget.startup.DeploymentPlanning);
             # reaching it means a stage recorded since: say so, keep what runs.
@@ -480,12 +481,22 @@ class PendingSplit:
             self.live.write_status()
 
 
+@dataclass
+class CoreState:
+    """kv-budget's state on a vLLM engine core."""
+
+    live: LiveHook | None = None
+    """Live sampling around its steps; None where it is off or nothing is watched."""
+    pending_split: PendingSplit | None = None
+    """A vLLM-Omni stage's provisional deployment split, made final before its first step."""
+
+
 def _wrap_step(original):
     def step(self):
-        pending = getattr(self, "_kv_budget_pending_split", None)
-        if pending is not None:
-            pending.before_step(self)
-        hook = getattr(self, "_kv_budget_live", None)
+        state = attached_state(self, CoreState)
+        if state.pending_split is not None:
+            state.pending_split.before_step(self)
+        hook = state.live
         if hook is None:
             return original(self)
         before = time.perf_counter()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from kv_budget.plan.planner import WorkerBudget
@@ -30,33 +31,56 @@ from kv_budget.plan.reserve import ReservePlan, plan_reserve, reserve_out_of_poo
 from kv_budget.report import reserve_infeasible_message
 from kv_budget.settings import ModelLocalKVSettings, Policy, settings_from_additional_config
 from kv_budget.startup import ModelLocalKVInfeasibleError, record_in_ledger, report_reserve
-from vllm_patches.engine import prefix_stage_logs, stage_of
+from vllm_patches.engine import attached_state, prefix_stage_logs, stage_of
 from vllm_patches.patching import patch_method
 from vllm_patches.workers import collect_budgets, this_engine, vllm_figures
 
 logger = logging.getLogger("vllm.kv_budget")
 
-_PENDING = "_kv_budget_reservation"
-"""Executor attribute holding the reservation between the two wrappers."""
+@dataclass
+class PendingReservation:
+    """What ``reserve`` planned when vLLM asked for the pool figure, kept
+    until vLLM allocates the pool and it is confirmed against vLLM's blocks."""
 
-_RESERVED = "_kv_budget_reserved"
-"""Executor attribute set once a reservation came off its pool figure."""
+    plan: ReservePlan
+    binding: WorkerBudget
+    settings: ModelLocalKVSettings
+    seconds: float
+    workers: list[WorkerBudget]
+    overrides: list[str]
 
-_WATCH = "_kv_budget_watch"
-"""Executor attribute holding what live monitoring of a reserve engine
-needs: the confirmed reservation, every worker's budget, the overrides applied."""
+
+@dataclass
+class WatchedReservation:
+    """What live monitoring of a ``reserve`` engine needs once the pool is allocated."""
+
+    plan: ReservePlan
+    """The reservation as confirmed against vLLM's blocks."""
+    workers: list[WorkerBudget]
+    overrides: list[str]
+    """The operator's overrides that applied."""
 
 
-def reservation_to_watch(executor: Any) -> tuple[ReservePlan, list[WorkerBudget], list[str]] | None:
+@dataclass
+class ExecutorState:
+    """kv-budget's state on a vLLM executor (policy ``reserve``)."""
+
+    reserved: bool = False
+    """Whether the reservation came off this executor's pool figure (False
+    when vLLM never sized a pool: the engine has no attention layer)."""
+    pending: PendingReservation | None = None
+    watched: WatchedReservation | None = None
+
+
+def reservation_to_watch(executor: Any) -> WatchedReservation | None:
     """The confirmed reservation, the workers' budgets and the overrides
     applied, once vLLM has allocated the reduced pool; None before."""
-    return getattr(executor, _WATCH, None)
+    return attached_state(executor, ExecutorState).watched
 
 
 def reserved_in_pool(executor: Any) -> bool:
-    """Whether the reservation was taken out of this executor's pool (False
-    when vLLM never sized a pool: the engine has no attention layer)."""
-    return getattr(executor, _RESERVED, False)
+    """Whether the reservation was taken out of this executor's pool."""
+    return attached_state(executor, ExecutorState).reserved
 
 
 def _kv_layer_figures(executor: Any, vllm_config: Any) -> list[tuple[int, int]]:
@@ -96,19 +120,20 @@ def reserve_in_pool(executor: Any, available: list[int], settings: ModelLocalKVS
         raise ModelLocalKVInfeasibleError(reserve_infeasible_message(plan))
     record_in_ledger(settings, [r.device for r in results], [r.reserved_bytes for r in plan.reservations],
                      this_engine(vllm_config))
-    setattr(executor, _PENDING, (plan, binding, settings, time.perf_counter() - start, workers,
-                                 results[0].overrides))
-    setattr(executor, _RESERVED, True)
+    state = attached_state(executor, ExecutorState)
+    state.pending = PendingReservation(plan, binding, settings, time.perf_counter() - start, workers,
+                                       results[0].overrides)
+    state.reserved = True
     return [r.pool_bytes_after for r in plan.reservations]
 
 
 def confirm_reservation(executor: Any, kv_cache_configs: list[Any]) -> None:
     """Replace the predicted blocks with vLLM's, then log and write the plan."""
-    pending = getattr(executor, _PENDING, None)
+    state = attached_state(executor, ExecutorState)
+    pending, state.pending = state.pending, None
     if pending is None:
         return
-    plan, binding, settings, seconds, workers, overrides = pending
-    delattr(executor, _PENDING)
+    plan = pending.plan
     blocks_after = min(config.num_blocks for config in kv_cache_configs)
     block_bytes = [
         sum(t.size for t in config.kv_cache_tensors) // config.num_blocks for config in kv_cache_configs
@@ -133,8 +158,9 @@ def confirm_reservation(executor: Any, kv_cache_configs: list[Any]) -> None:
             "num_blocks_after": blocks_after,
             "max_concurrency_at_max_model_len": blocks_after / confirmed.blocks_per_sequence,
         })
-    report_reserve(confirmed, binding, settings, seconds, vllm_figures(), stage_of(executor.vllm_config))
-    setattr(executor, _WATCH, (confirmed, workers, overrides))
+    report_reserve(confirmed, pending.binding, pending.settings, pending.seconds, vllm_figures(),
+                   stage_of(executor.vllm_config))
+    state.watched = WatchedReservation(confirmed, pending.workers, pending.overrides)
 
 
 def patch_executor(executor_cls) -> None:

@@ -51,8 +51,8 @@ from vllm_patches.compat import (
     scheduler_cap_problem,
     scheduler_class_problem,
 )
-from vllm_patches.engine import lower_max_num_seqs, prefix_stage_logs, stage_of
-from vllm_patches.live_hook import PendingSplit, start_live
+from vllm_patches.engine import attached_state, lower_max_num_seqs, prefix_stage_logs, stage_of
+from vllm_patches.live_hook import CoreState, PendingSplit, start_live
 from vllm_patches.omni_chunks import count_parked_at_startup
 from vllm_patches.patching import patch_method
 from vllm_patches.pool_hook import reservation_to_watch, reserved_in_pool
@@ -78,10 +78,9 @@ def plan_after_kv_caches(core: Any, vllm_config: Any) -> Plan | None:
             return None
         watched = reservation_to_watch(core.model_executor)
         if watched is not None:  # reserve acted on the pool already (pool_hook); watch what it reserved
-            reservation, workers, overrides = watched
-            plan = watch_plan(reservation, workers)
+            plan = watch_plan(watched.plan, watched.workers)
             count_parked_at_startup(vllm_config, plan, stage)
-            start_live(core, vllm_config, plan, settings, stage, overrides)
+            start_live(core, vllm_config, plan, settings, stage, watched.overrides)
         return None
     require_no_scheduler_yet(core)
     scheduler_config = vllm_config.scheduler_config
@@ -114,7 +113,8 @@ def plan_after_kv_caches(core: Any, vllm_config: Any) -> Plan | None:
     live = start_live(core, vllm_config, plan, settings, stage, results[0].overrides,
                       unmatched_on_every_worker(results), deployment)
     if split is not None and not split.final:
-        core._kv_budget_pending_split = PendingSplit(deployment, settings, configured, label, vllm_figures(), live)
+        attached_state(core, CoreState).pending_split = PendingSplit(deployment, settings, configured, label,
+                                                                     vllm_figures(), live)
     return plan
 
 
