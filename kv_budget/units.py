@@ -12,8 +12,8 @@ import argparse
 import re
 from decimal import Decimal, InvalidOperation
 
-__all__ = ["parse_byte_size", "byte_size_argument", "parse_positive_int", "positive_int_argument", "format_bytes", "MiB",
-           "GiB"]
+__all__ = ["parse_byte_size", "byte_size_argument", "parse_positive_int", "positive_int_argument", "format_bytes",
+           "MiB", "GiB"]
 
 KiB = 1024
 MiB = 1024**2

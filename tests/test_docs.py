@@ -23,7 +23,7 @@ def test_every_page_the_readme_links_to_exists():
 
 
 OPERATOR_PAGE = README.parent / "docs" / "operator.md"
-PRODUCT = [*sorted((README.parent / "kv_budget").rglob("*.py")), *sorted((README.parent / "vllm_patches").rglob("*.py"))]
+PRODUCT = [path for package in ("kv_budget", "vllm_patches") for path in sorted((README.parent / package).rglob("*.py"))]
 MOST_TELLING = 12
 """Characters a message's longest fixed fragment needs to name it; shorter ones ("live:") are generic."""
 

@@ -70,7 +70,8 @@ def status_path(directory: str | Path, model: str, engine_index: int, stage: Sta
     return Path(directory) / f"engine-{engine_index}-{staged}{digest}.json"
 
 
-def stage_status_paths(directory: str | Path, engine_index: int | None = None, stage: Stage | None = None) -> list[Path]:
+def stage_status_paths(directory: str | Path, engine_index: int | None = None,
+                       stage: Stage | None = None) -> list[Path]:
     """The status files of vLLM-Omni stage engines in ``directory``, oldest
     first: every stage's, or those of one engine index of one stage (a
     frontend's: another stage may serve another model, so the digest is
