@@ -19,31 +19,18 @@ the planner, samplers and report are imported from their modules
 (``kv_budget.plan.planner``, ``kv_budget.sample.device``, ``kv_budget.report``).
 """
 
-from kv_budget.collect.model import Collection, DeclarerFailure, OwnedSpec, collect_model_local_kv_specs
+from kv_budget.collect.model import collect_model_local_kv_specs
 from kv_budget.declare.hf_config import spec_from_hf_config
-from kv_budget.declare.spec import (
-    HasModelLocalKV,
-    InvalidDeclarationError,
-    ModelLocalKVScope,
-    ModelLocalKVSpec,
-    RowDriver,
-    Scope,
-    normalize_spec,
-)
+from kv_budget.declare.spec import HasModelLocalKV, InvalidDeclarationError, ModelLocalKVScope, ModelLocalKVSpec, RowDriver
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Collection",
-    "DeclarerFailure",
     "HasModelLocalKV",
     "InvalidDeclarationError",
     "ModelLocalKVScope",
     "ModelLocalKVSpec",
-    "OwnedSpec",
     "RowDriver",
-    "Scope",
     "collect_model_local_kv_specs",
-    "normalize_spec",
     "spec_from_hf_config",
 ]

@@ -12,8 +12,9 @@ import pytest
 import torch
 from transformers import Qwen2Config
 
-from kv_budget import RowDriver, Scope, spec_from_hf_config
+from kv_budget import RowDriver, spec_from_hf_config
 from kv_budget.collect.presets import PRESETS, preset_collection
+from kv_budget.declare.spec import Scope
 from kv_budget.override import apply_overrides, parse_override
 from kv_budget.plan.planner import budget_worker, headroom_override
 

@@ -15,7 +15,8 @@ import torch
 
 import vllm_patches
 import kv_budget_demo
-from kv_budget import Collection, ModelLocalKVSpec, OwnedSpec
+from kv_budget import ModelLocalKVSpec
+from kv_budget.collect.model import Collection, OwnedSpec
 from kv_budget.plan.planner import budget_worker, headroom_override, make_plan
 from kv_budget.watch.status import STATUS_DIR_ENV, EngineStatus, status_path, write_status
 from vllm_patches.compat import checked_vllm

@@ -13,7 +13,8 @@ import psutil
 import pytest
 import torch
 
-from kv_budget import Collection, ModelLocalKVSpec, OwnedSpec
+from kv_budget import ModelLocalKVSpec
+from kv_budget.collect.model import Collection, OwnedSpec
 from kv_budget.ledger import LedgerError, open_ledger
 from kv_budget.plan.planner import budget_worker, headroom_override, shared_budget
 

@@ -11,7 +11,8 @@ import re
 import pytest
 import torch
 
-from kv_budget import Collection, ModelLocalKVSpec, OwnedSpec
+from kv_budget import ModelLocalKVSpec
+from kv_budget.collect.model import Collection, OwnedSpec
 from kv_budget.plan.planner import budget_worker, headroom_override, make_plan
 from kv_budget.sample.in_step import InStepPeaks
 from kv_budget.watch.live import LiveMonitor, OwnerBytes, WorkerSample

@@ -15,14 +15,8 @@ import pytest
 import torch
 
 import kv_budget
-from kv_budget import (
-    InvalidDeclarationError,
-    ModelLocalKVSpec,
-    RowDriver,
-    Scope,
-    collect_model_local_kv_specs,
-    normalize_spec,
-)
+from kv_budget import InvalidDeclarationError, ModelLocalKVSpec, RowDriver, collect_model_local_kv_specs
+from kv_budget.declare.spec import Scope, normalize_spec
 from kv_budget.plan.planner import budget_worker, headroom_override, make_plan
 from peers.vllm_omni.files import DECLARATION_MODULE, OmniFilesUnavailable, exec_omni_source, import_omni_module
 

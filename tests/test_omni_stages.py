@@ -12,7 +12,8 @@ import logging
 import pytest
 import torch
 
-from kv_budget import Collection, ModelLocalKVSpec, OwnedSpec
+from kv_budget import ModelLocalKVSpec
+from kv_budget.collect.model import Collection, OwnedSpec
 from kv_budget.collect.supplied import SuppliedDeclarationsError, supplied_collection, with_supplied
 from kv_budget.override import OverrideError, apply_overrides, overrides_for_stage, parse_override, parse_overrides
 from kv_budget.plan.planner import budget_worker, headroom_override, make_plan

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kv_budget import Collection, ModelLocalKVSpec, OwnedSpec
+from kv_budget import ModelLocalKVSpec
+from kv_budget.collect.model import Collection, OwnedSpec
 from kv_budget.override import OverrideError, apply_overrides, parse_override, unmatched_message
 from kv_budget.plan.planner import budget_worker, headroom_override, make_plan
 from kv_budget.report import render_plan_table

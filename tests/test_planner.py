@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_budget import Collection, ModelLocalKVSpec, OwnedSpec
-from kv_budget.collect.model import DeclarerFailure
+from kv_budget import ModelLocalKVSpec
+from kv_budget.collect.model import Collection, DeclarerFailure, OwnedSpec
 from kv_budget.plan.planner import (
     Decision,
     budget_worker,

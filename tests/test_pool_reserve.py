@@ -9,7 +9,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kv_budget import Collection, ModelLocalKVSpec, OwnedSpec
+from kv_budget import ModelLocalKVSpec
+from kv_budget.collect.model import Collection, OwnedSpec
 from kv_budget.plan.planner import budget_worker, headroom_override, make_plan
 from kv_budget.plan.reserve import plan_reserve, reserve_out_of_pool
 from kv_budget.report import render_reserve_table, reserve_infeasible_message

@@ -13,15 +13,8 @@ import torch
 from transformers import GPT2Config, LlamaConfig, Qwen2Config, WhisperConfig
 
 import kv_budget
-from kv_budget import (
-    InvalidDeclarationError,
-    ModelLocalKVSpec,
-    RowDriver,
-    Scope,
-    collect_model_local_kv_specs,
-    normalize_spec,
-    spec_from_hf_config,
-)
+from kv_budget import InvalidDeclarationError, ModelLocalKVSpec, RowDriver, collect_model_local_kv_specs, spec_from_hf_config
+from kv_budget.declare.spec import Scope, normalize_spec
 
 VALID = dict(
     name="kv",
@@ -292,9 +285,12 @@ def test_non_module_owner_is_asked_directly():
 
 
 def test_the_package_exports_the_declaring_surface_and_nothing_heavier():
-    for name in ("ModelLocalKVSpec", "ModelLocalKVScope", "RowDriver", "HasModelLocalKV", "spec_from_hf_config",
-                 "collect_model_local_kv_specs"):
-        assert name in kv_budget.__all__ and hasattr(kv_budget, name)
+    declaring = {"ModelLocalKVSpec", "ModelLocalKVScope", "RowDriver", "HasModelLocalKV", "spec_from_hf_config",
+                 "collect_model_local_kv_specs", "InvalidDeclarationError"}
+    assert set(kv_budget.__all__) == declaring and all(hasattr(kv_budget, name) for name in declaring)
+    # One name per thing: the collector's and the planner's types are imported from their modules.
+    for name in ("Scope", "Collection", "OwnedSpec", "normalize_spec"):
+        assert not hasattr(kv_budget, name)
     # The planner and the samplers are imported from their own modules.
     for name in ("make_plan", "sample_memory", "render_plan_table"):
         assert name not in kv_budget.__all__ and not hasattr(kv_budget, name)
