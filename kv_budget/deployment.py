@@ -38,22 +38,28 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from pydantic import BaseModel
 
-from kv_budget.errors import KvBudgetError
+from kv_budget.errors import KvBudgetError, ModelLocalKVInfeasibleError
 from kv_budget.ledger import process_alive, this_process
 from kv_budget.plan.deploy import SPLIT_RULE, DeviceAccount, StageBudget, plan_deploy
 from kv_budget.plan.deploy_file import DeployFile, StageDeploy
-from kv_budget.plan.planner import WorkerBudget, safe_max_num_seqs
+from kv_budget.plan.planner import LedgerLine, WorkerBudget, safe_max_num_seqs
 from kv_budget.runtime_files import exclusive_lock, write_atomically
+from kv_budget.settings import ModelLocalKVSettings
 from kv_budget.stage import Stage
+
+logger = logging.getLogger("vllm.kv_budget")
 
 __all__ = [
     "DEPLOYMENT_ENV",
+    "DeploymentPlanning",
     "DeploymentError",
     "PlannedStage",
     "DeploymentRecord",
@@ -446,3 +452,103 @@ def _bound(room: int, budget: WorkerBudget) -> float:
     """The max_num_seqs ``room`` allows (infinite when nothing scales)."""
     bound = safe_max_num_seqs(room, budget.uncharged_fixed_bytes, budget.per_seq_bytes)
     return float("inf") if bound is None else bound
+
+
+class DeploymentPlanning:
+    """This stage's side of its vLLM-Omni deployment's record
+    (:mod:`kv_budget.deployment`): it records what its workers found, plans
+    against the split, and re-reads the record until the split is final."""
+
+    def __init__(self, path: Path, record: DeploymentRecord, stage: Stage) -> None:
+        self.path = path
+        self.stage = stage
+        self.physical = record.devices_of(stage)
+        self.split: StageSplit | None = None
+        self.workers: list[WorkerBudget] = []
+        """Its workers' budgets against their own headroom, before the split."""
+        self.devices: list[str | None] = []
+        """The workers' device ledger keys."""
+        self.ledger: LedgerLine | None = None
+        """What the device ledger said at its plan (the final plan keeps its others)."""
+
+    @classmethod
+    def of_this_process(cls, stage: Stage | None) -> DeploymentPlanning | None:
+        """The deployment the driver recorded (:data:`DEPLOYMENT_ENV`), when
+        it lists ``stage`` among those that plan; None otherwise. A record
+        that cannot be read logs one warning: the stage then plans alone."""
+        path = os.environ.get(DEPLOYMENT_ENV)
+        if stage is None or not path:
+            return None
+        try:
+            record = read_deployment(Path(path))
+        except DeploymentError as exc:
+            logger.warning("kv-budget: %s; %s plans against its own headroom and the device ledger only",
+                           exc, stage.label())
+            return None
+        return cls(Path(path), record, stage) if stage in record.planning else None
+
+    def pids(self) -> set[int]:
+        """The stage processes of this deployment that recorded: their
+        ledger entries are counted by the split, not as other engines."""
+        return {entry.pid for entry in read_deployment(self.path).planned}
+
+    def physical_device(self, rank: int) -> int:
+        return self.physical[min(rank, len(self.physical) - 1)]
+
+    def plan_against(self, workers: list[WorkerBudget], settings: ModelLocalKVSettings,
+                     configured: int) -> list[WorkerBudget]:
+        """Record this stage (its binding worker's declarations, the
+        headroom each device gave its workers) and return the workers with
+        the split's room as their headroom. The stage that completes the
+        record refuses (:class:`ModelLocalKVInfeasibleError`) when the final
+        split leaves a stage under ``cap`` that planned before it no
+        sequence: that one cannot refuse any more."""
+        measured: dict[int, int] = {}
+        for worker in workers:
+            device = self.physical_device(worker.rank)
+            measured[device] = min(measured.get(device, worker.headroom.bytes), worker.headroom.bytes)
+        binding = max(workers, key=lambda w: (w.per_seq_bytes, w.uncharged_fixed_bytes, -w.rank))
+        record = record_stage(self.path, self.stage, binding, measured, binding.headroom.source,
+                              settings.policy.value, configured)
+        self.workers = workers
+        placed = self._against(record)
+        if self.split.final and (left_out := starved(record, self.stage)):
+            raise ModelLocalKVInfeasibleError(
+                f"kv-budget: with {self.stage.label()} planned, the final split of the devices leaves "
+                f"{'; '.join(left_out)} not one sequence under cap; lower the stages' max_num_seqs or "
+                "gpu_memory_utilization on the device, or give it more headroom")
+        return placed
+
+    def with_live_excess(self, per_seq_bytes: int, fixed_bytes: int = 0) -> list[WorkerBudget]:
+        """Record what live measurement found beyond this stage's
+        declarations (per sequence, fixed), and return its workers under the split as it
+        is now: the other stages' measurements count too, so a stage that
+        holds caches nobody declared gets its share of the device, and one
+        whose neighbour's caches grew gets less."""
+        return self._against(record_live_excess(self.path, self.stage, per_seq_bytes, fixed_bytes))
+
+    def final(self) -> list[WorkerBudget] | None:
+        """The workers under the final split; None while a stage on its
+        devices has not recorded."""
+        record = read_deployment(self.path)
+        if record.waiting_for(self.stage):
+            return None
+        return self._against(record)
+
+    def _against(self, record: DeploymentRecord) -> list[WorkerBudget]:
+        self.split = split_for(record, self.stage)
+        placed = []
+        state = "final" if self.split.final else "provisional"
+        for worker in self.workers:
+            part = self.split.room_on(self.physical_device(worker.rank))
+            own = "not measured" if part.measured_room_bytes is None else f"{part.measured_room_bytes:,} B"
+            text = (f"{self.stage.label()}: the smaller of its {state} deployment split on device {part.device} "
+                    f"({part.split_bytes:,} B) and its own headroom less the other stages' parts ({own}): "
+                    f"{part.binding}")
+            headroom = worker.headroom.model_copy(update={"bytes": part.room_bytes, "source": text})
+            placed.append(worker.model_copy(update={
+                "headroom": headroom,
+                "safe_max_num_seqs": safe_max_num_seqs(part.room_bytes, worker.uncharged_fixed_bytes,
+                                                       worker.per_seq_bytes),
+            }))
+        return placed

@@ -9,8 +9,13 @@ message names what was found and what to do about it.
 
 from __future__ import annotations
 
-__all__ = ["KvBudgetError"]
+__all__ = ["KvBudgetError", "ModelLocalKVInfeasibleError"]
 
 
 class KvBudgetError(Exception):
     """Raised by kv-budget on purpose; the message says what to do."""
+
+
+class ModelLocalKVInfeasibleError(KvBudgetError, RuntimeError):
+    """Under ``cap``, not even one sequence's model-local KV fits: the
+    engine refuses to start rather than fail on the first requests."""

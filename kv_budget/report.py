@@ -8,16 +8,25 @@ effective value is shown as their minimum.
 
 from __future__ import annotations
 
+import json
+import logging
+from pathlib import Path
+
 from kv_budget.declare.spec import RowDriver
 from kv_budget.deployment import StageSplit
 from kv_budget.plan.deploy import DeployPlan, DeviceAccount, StageOnDevice, StagePlan
 from kv_budget.plan.deploy_file import GRAPH_RESERVE_BYTES
 from kv_budget.plan.planner import Charge, Decision, DeclarationLine, FailureLine, Plan, WorkerBudget
 from kv_budget.plan.reserve import ReservePlan
+from kv_budget.settings import ModelLocalKVSettings
+from kv_budget.stage import Stage, stage_file_name
 from kv_budget.units import GiB, format_bytes
 
+logger = logging.getLogger("vllm.kv_budget")
+
 __all__ = ["render_plan_table", "render_split", "infeasible_message", "summary_line", "render_deploy_table",
-           "deploy_infeasible_message", "render_reserve_table", "reserve_infeasible_message", "render_choices"]
+           "deploy_infeasible_message", "render_reserve_table", "reserve_infeasible_message", "render_choices",
+           "report_file", "write_report"]
 
 
 def _owner_label(owner: str) -> str:
@@ -403,3 +412,30 @@ def deploy_infeasible_message(plan: DeployPlan) -> str:
             why = f"not even one sequence fits for {', '.join(starved)}"
         reasons.append(f"device {device.device}: {why}")
     return f"deployment {plan.deploy_file} does not fit: " + "; ".join(reasons)
+
+
+def report_file(settings: ModelLocalKVSettings, stage: Stage | None) -> Path:
+    """Where the startup plan goes: ``report_path``, with the stage's tag
+    in a vLLM-Omni stage (:func:`kv_budget.stage.stage_file_name`)."""
+    return stage_file_name(settings.report_path, stage)
+
+
+def write_report(path: str | Path, report: dict, vllm_figures: dict, stage: Stage | None = None) -> bool:
+    """Write a startup report (``cap``/``warn`` or ``reserve``) with the vLLM
+    it ran on (``vllm_figures``: version, distribution, support) and the
+    vLLM-Omni stage (``stage``: null for a plain vLLM engine); return
+    whether it was written. A path that cannot be written logs one warning
+    and the engine starts: the plan the report would hold is in the log
+    already, and the protection does not depend on the file (failing the
+    start over a report path took a protected server down)."""
+    target = Path(path)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staged = {"stage": stage.model_dump() if stage is not None else None}
+        target.write_text(json.dumps({**report, **vllm_figures, **staged}, indent=2))
+    except OSError as exc:
+        logger.warning("kv-budget: cannot write the startup plan to %s (%s: %s); the plan is in this log",
+                       path, type(exc).__name__, exc)
+        return False
+    logger.info("kv-budget: startup plan written to %s", path)
+    return True

@@ -25,9 +25,7 @@ Every refusal is one of three exceptions whose message says what to do.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 from collections import Counter
 from pathlib import Path
@@ -37,18 +35,8 @@ from pydantic import BaseModel
 
 from kv_budget.collect.model import collect_model_local_kv_specs
 from kv_budget.collect.supplied import SuppliedDeclarationsError, supplied_collection, with_supplied
-from kv_budget.deployment import (
-    DEPLOYMENT_ENV,
-    DeploymentError,
-    DeploymentRecord,
-    StageSplit,
-    read_deployment,
-    record_live_excess,
-    record_stage,
-    split_for,
-    starved,
-)
-from kv_budget.errors import KvBudgetError
+from kv_budget.deployment import DeploymentPlanning, StageSplit
+from kv_budget.errors import KvBudgetError, ModelLocalKVInfeasibleError
 from kv_budget.ledger import LedgerSession, default_ledger_dir, open_ledger
 from kv_budget.override import (
     OverrideError,
@@ -69,14 +57,20 @@ from kv_budget.plan.planner import (
     headroom_from_free,
     headroom_override,
     make_plan,
-    safe_max_num_seqs,
     shared_budget,
 )
 from kv_budget.plan.reserve import ReservePlan
-from kv_budget.report import infeasible_message, render_plan_table, render_reserve_table, render_split
+from kv_budget.report import (
+    infeasible_message,
+    render_plan_table,
+    render_reserve_table,
+    render_split,
+    report_file,
+    write_report,
+)
 from kv_budget.sample.device import MemorySamplingError, device_identity, sample_memory
 from kv_budget.settings import LEDGER_OFF, ModelLocalKVSettings, Policy
-from kv_budget.stage import Stage, stage_file_name
+from kv_budget.stage import Stage
 
 logger = logging.getLogger("vllm.kv_budget")
 """Under vLLM's logger, so the lines carry vLLM's format and level."""
@@ -86,7 +80,6 @@ __all__ = [
     "WorkerProblem",
     "WorkerResult",
     "worker_result",
-    "DeploymentPlanning",
     "ModelLocalKVInfeasibleError",
     "ModelLocalKVOverrideError",
     "ModelLocalKVPlanningError",
@@ -98,15 +91,8 @@ __all__ = [
     "ledger_directory",
     "plan_startup",
     "record_in_ledger",
-    "report_file",
     "report_reserve",
-    "write_report",
 ]
-
-
-class ModelLocalKVInfeasibleError(KvBudgetError, RuntimeError):
-    """Under ``cap``, not even one sequence's model-local KV fits: the
-    engine refuses to start rather than fail on the first requests."""
 
 
 class ModelLocalKVPlanningError(ModelLocalKVInfeasibleError):
@@ -375,114 +361,8 @@ def engine_label(pid: int, model: str, stage: Stage | None = None) -> str:
     return f"pid {pid}: model {model}" + (f", {stage.label()}" if stage is not None else "")
 
 
-def report_file(settings: ModelLocalKVSettings, stage: Stage | None) -> Path:
-    """Where the startup plan goes: ``report_path``, with the stage's tag
-    in a vLLM-Omni stage (:func:`kv_budget.stage.stage_file_name`)."""
-    return stage_file_name(settings.report_path, stage)
-
-
 def ledger_directory(settings: ModelLocalKVSettings) -> Path:
     return Path(settings.ledger_dir) if settings.ledger_dir else default_ledger_dir()
-
-
-class DeploymentPlanning:
-    """This stage's side of its vLLM-Omni deployment's record
-    (:mod:`kv_budget.deployment`): it records what its workers found, plans
-    against the split, and re-reads the record until the split is final."""
-
-    def __init__(self, path: Path, record: DeploymentRecord, stage: Stage) -> None:
-        self.path = path
-        self.stage = stage
-        self.physical = record.devices_of(stage)
-        self.split: StageSplit | None = None
-        self.workers: list[WorkerBudget] = []
-        """Its workers' budgets against their own headroom, before the split."""
-        self.devices: list[str | None] = []
-        """The workers' device ledger keys."""
-        self.ledger: LedgerLine | None = None
-        """What the device ledger said at its plan (the final plan keeps its others)."""
-
-    @classmethod
-    def of_this_process(cls, stage: Stage | None) -> DeploymentPlanning | None:
-        """The deployment the driver recorded (:data:`DEPLOYMENT_ENV`), when
-        it lists ``stage`` among those that plan; None otherwise. A record
-        that cannot be read logs one warning: the stage then plans alone."""
-        path = os.environ.get(DEPLOYMENT_ENV)
-        if stage is None or not path:
-            return None
-        try:
-            record = read_deployment(Path(path))
-        except DeploymentError as exc:
-            logger.warning("kv-budget: %s; %s plans against its own headroom and the device ledger only",
-                           exc, stage.label())
-            return None
-        return cls(Path(path), record, stage) if stage in record.planning else None
-
-    def pids(self) -> set[int]:
-        """The stage processes of this deployment that recorded: their
-        ledger entries are counted by the split, not as other engines."""
-        return {entry.pid for entry in read_deployment(self.path).planned}
-
-    def physical_device(self, rank: int) -> int:
-        return self.physical[min(rank, len(self.physical) - 1)]
-
-    def plan_against(self, workers: list[WorkerBudget], settings: ModelLocalKVSettings,
-                     configured: int) -> list[WorkerBudget]:
-        """Record this stage (its binding worker's declarations, the
-        headroom each device gave its workers) and return the workers with
-        the split's room as their headroom. The stage that completes the
-        record refuses (:class:`ModelLocalKVInfeasibleError`) when the final
-        split leaves a stage under ``cap`` that planned before it no
-        sequence: that one cannot refuse any more."""
-        measured: dict[int, int] = {}
-        for worker in workers:
-            device = self.physical_device(worker.rank)
-            measured[device] = min(measured.get(device, worker.headroom.bytes), worker.headroom.bytes)
-        binding = max(workers, key=lambda w: (w.per_seq_bytes, w.uncharged_fixed_bytes, -w.rank))
-        record = record_stage(self.path, self.stage, binding, measured, binding.headroom.source,
-                              settings.policy.value, configured)
-        self.workers = workers
-        placed = self._against(record)
-        if self.split.final and (left_out := starved(record, self.stage)):
-            raise ModelLocalKVInfeasibleError(
-                f"kv-budget: with {self.stage.label()} planned, the final split of the devices leaves "
-                f"{'; '.join(left_out)} not one sequence under cap; lower the stages' max_num_seqs or "
-                "gpu_memory_utilization on the device, or give it more headroom")
-        return placed
-
-    def with_live_excess(self, per_seq_bytes: int, fixed_bytes: int = 0) -> list[WorkerBudget]:
-        """Record what live measurement found beyond this stage's
-        declarations (per sequence, fixed), and return its workers under the split as it
-        is now: the other stages' measurements count too, so a stage that
-        holds caches nobody declared gets its share of the device, and one
-        whose neighbour's caches grew gets less."""
-        return self._against(record_live_excess(self.path, self.stage, per_seq_bytes, fixed_bytes))
-
-    def final(self) -> list[WorkerBudget] | None:
-        """The workers under the final split; None while a stage on its
-        devices has not recorded."""
-        record = read_deployment(self.path)
-        if record.waiting_for(self.stage):
-            return None
-        return self._against(record)
-
-    def _against(self, record: DeploymentRecord) -> list[WorkerBudget]:
-        self.split = split_for(record, self.stage)
-        placed = []
-        state = "final" if self.split.final else "provisional"
-        for worker in self.workers:
-            part = self.split.room_on(self.physical_device(worker.rank))
-            own = "not measured" if part.measured_room_bytes is None else f"{part.measured_room_bytes:,} B"
-            text = (f"{self.stage.label()}: the smaller of its {state} deployment split on device {part.device} "
-                    f"({part.split_bytes:,} B) and its own headroom less the other stages' parts ({own}): "
-                    f"{part.binding}")
-            headroom = worker.headroom.model_copy(update={"bytes": part.room_bytes, "source": text})
-            placed.append(worker.model_copy(update={
-                "headroom": headroom,
-                "safe_max_num_seqs": safe_max_num_seqs(part.room_bytes, worker.uncharged_fixed_bytes,
-                                                       worker.per_seq_bytes),
-            }))
-        return placed
 
 
 def _plan_on_shared_devices(
@@ -561,24 +441,3 @@ def record_in_ledger(settings: ModelLocalKVSettings, devices: list[str | None], 
     with open_ledger(ledger_directory(settings), list(by_device)) as ledger:
         for device, size in by_device.items():
             ledger.record(device, label, size)
-
-
-def write_report(path: str | Path, report: dict, vllm_figures: dict, stage: Stage | None = None) -> bool:
-    """Write a startup report (``cap``/``warn`` or ``reserve``) with the vLLM
-    it ran on (``vllm_figures``: version, distribution, support) and the
-    vLLM-Omni stage (``stage``: null for a plain vLLM engine); return
-    whether it was written. A path that cannot be written logs one warning
-    and the engine starts: the plan the report would hold is in the log
-    already, and the protection does not depend on the file (failing the
-    start over a report path took a protected server down)."""
-    target = Path(path)
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staged = {"stage": stage.model_dump() if stage is not None else None}
-        target.write_text(json.dumps({**report, **vllm_figures, **staged}, indent=2))
-    except OSError as exc:
-        logger.warning("kv-budget: cannot write the startup plan to %s (%s: %s); the plan is in this log",
-                       path, type(exc).__name__, exc)
-        return False
-    logger.info("kv-budget: startup plan written to %s", path)
-    return True

@@ -26,6 +26,7 @@ from kv_budget.collect.model import Collection
 from kv_budget.collect.presets import preset_collection
 from kv_budget.collect.specfile import load_spec_file
 from kv_budget.deployment import (
+    DeploymentPlanning,
     DeploymentRecord,
     create_deployment,
     read_deployment,
@@ -42,7 +43,6 @@ from kv_budget.sample.in_step import InStepPeaks
 from kv_budget.settings import ModelLocalKVSettings
 from kv_budget.stage import Stage
 from kv_budget.startup import (
-    DeploymentPlanning,
     ModelLocalKVInfeasibleError,
     WorkerResult,
     final_deployment_plan,

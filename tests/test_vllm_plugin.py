@@ -277,7 +277,7 @@ def test_argparse_namespace_without_flags_is_not_touched():
 
 
 def test_an_unwritable_report_path_warns_and_does_not_stop_the_engine(tmp_path, caplog):
-    from kv_budget.startup import write_report
+    from kv_budget.report import write_report
     from vllm_patches.workers import vllm_figures
 
     blocker = tmp_path / "a-file"

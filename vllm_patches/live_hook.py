@@ -41,14 +41,14 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kv_budget.deployment import DeploymentError
+from kv_budget.deployment import DeploymentError, DeploymentPlanning
 from kv_budget.plan.planner import Decision, Plan, WorkerBudget
 from kv_budget.sample.caches import HeldBytes, UnsupportedCacheError
 from kv_budget.sample.device import MemorySamplingError, ProcessPeak, sample_memory
 from kv_budget.sample.in_step import InStepTracker
 from kv_budget.settings import LEDGER_OFF, ModelLocalKVSettings, Policy
 from kv_budget.stage import Stage
-from kv_budget.startup import DeploymentPlanning, final_deployment_plan
+from kv_budget.startup import final_deployment_plan
 from kv_budget.watch.live import (
     WATCHED_POLICIES,
     DeviceFree,
@@ -458,7 +458,7 @@ class PendingSplit:
             time.sleep(self.POLL_S)
         attached_state(core, CoreState).pending_split = None
         if plan.decision is Decision.INFEASIBLE:
-            # The stage that completed the record refuses on this (kv_budget.startup.DeploymentPlanning);
+            # The stage that completed the record refuses on this (kv_budget.deployment.DeploymentPlanning);
             # reaching it means a stage recorded since: say so, keep what runs.
             logger.error("kv-budget: the final deployment split leaves this stage no sequence (%s); it keeps "
                          "max_num_seqs %d", plan.headroom_source,
