@@ -64,5 +64,6 @@ def test_every_refusal_and_finding_kind_is_on_the_operator_page():
     errors = {node.name for path in PRODUCT for node in ast.walk(ast.parse(path.read_text()))
               if isinstance(node, ast.ClassDef) and node.name.endswith("Error") and node.name != "KvBudgetError"}
     assert len(errors) >= 12 and not [name for name in sorted(errors) if f"`{name}`" not in page]
-    kinds = re.search(r'kind: Literal\[([^\]]*)\]', (README.parent / "kv_budget/watch/live.py").read_text()).group(1)
+    schema = (README.parent / "kv_budget" / "watch" / "live_state.py").read_text()
+    kinds = re.search(r'kind: Literal\[([^\]]*)\]', schema).group(1)
     assert not [kind for kind in re.findall(r'"([a-z-]+)"', kinds) if f"| `{kind}` |" not in page]

@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Literal
 
 from pydantic import BaseModel
 
@@ -66,6 +65,7 @@ from kv_budget.declare.spec import RowDriver, Scope
 from kv_budget.plan.planner import Charge, Headroom, Plan, WorkerBudget, live_margin_bytes, safe_max_num_seqs
 from kv_budget.sample.in_step import InStepPeaks
 from kv_budget.settings import DEFAULT_SAMPLE_INTERVAL_S, Policy
+from kv_budget.watch.live_state import Finding, LiveState, OwnerLive, RankLive, Verdict
 
 __all__ = [
     "DEAD_AFTER_COMPLETED",
@@ -77,10 +77,6 @@ __all__ = [
     "WindowOpening",
     "LiveMeasurement",
     "OwnerExpectation",
-    "OwnerLive",
-    "RankLive",
-    "Finding",
-    "LiveState",
     "LiveUpdate",
     "LiveMonitor",
     "owner_expectations",
@@ -101,7 +97,6 @@ DEAD_AFTER_COMPLETED = 16
 held nothing in every sample is reported "declared but absent". Fewer would
 flag a model whose first requests take a path without the cache."""
 
-Verdict = Literal["ok", "under-declared", "undeclared", "declared-but-absent", "leak", "not-observable", "idle"]
 
 Resplit = Callable[[int, int], "list[WorkerBudget] | None"]
 """A vLLM-Omni stage's re-split: given the most bytes per sequence, and the
@@ -272,112 +267,6 @@ def live_safe_max_num_seqs(headroom_bytes: int, uncharged_fixed_bytes: int, per_
     """The planner's bound, with the measured per-sequence bytes: same
     arithmetic, one function (:func:`kv_budget.plan.planner.safe_max_num_seqs`)."""
     return safe_max_num_seqs(headroom_bytes, uncharged_fixed_bytes, per_seq_bytes)
-
-
-class OwnerLive(BaseModel):
-    """One owner on one rank, as of the last sample."""
-
-    owner: str
-    declarations: list[str]
-    """Empty for an ``undeclared`` holder."""
-    bytes: int
-    """After the step."""
-    peak_bytes: int
-    """The most it held at once in any sample, inside a step or after it."""
-    allowed_bytes: int
-    """What its retained declarations allow at the sequences the workers may hold."""
-    step_bytes: int | None = None
-    """The most it held at once inside the last watched step; None before one."""
-    step_allowed_bytes: int | None = None
-    """What all its declarations allow at once at the sequences of that step."""
-    excess_per_seq_bytes: int
-    """Largest excess seen, per sequence held (0 when never over)."""
-    ever_held: bool
-    verdict: Verdict
-
-
-class RankLive(BaseModel):
-    """One worker's figures."""
-
-    rank: int
-    bytes: int
-    """Model-local bytes the declaring owners held at the last sample, after its step."""
-    step_bytes: int | None = None
-    """The most every cache of the model held at once inside the last
-    watched step (undeclared ones included); None before one."""
-    peak_bytes: int
-    """The most held at once in any sample, inside a step or after it."""
-    peak_bytes_within_limit: int
-    """Peak over the samples taken while no more sequences ran than the
-    live limit the sample left in force: what the correction guarantees
-    stays within the headroom (0 before such a sample)."""
-    headroom_bytes: int
-    uncharged_fixed_bytes: int
-    declared_per_seq_bytes: int
-    live_per_seq_bytes: int
-    """Declared per-sequence bytes plus the largest per-sequence excess measured."""
-    safe_max_num_seqs: int | None
-    """The bound with ``live_per_seq_bytes``; None when nothing scales with sequences."""
-    owners: list[OwnerLive]
-
-
-class Finding(BaseModel):
-    """Something a sample showed, logged once."""
-
-    kind: Literal["under-declared", "undeclared", "declared-but-absent", "leak", "limit-lowered", "nothing-fits",
-                  "memory-low", "memory-room"]
-    rank: int | None
-    owner: str | None
-    bytes: int
-    message: str
-
-
-class LiveState(BaseModel):
-    """Everything the live monitor knows; written to the status file."""
-
-    policy: Policy
-    sample_interval_s: float
-    step_peaks: bool = False
-    """Whether sampled steps are watched inside (:mod:`kv_budget.sample.in_step`)."""
-    samples: int
-    running_sequences: int
-    held_sequences: int
-    """``running`` plus finished requests the workers have not freed yet."""
-    completed_requests: int
-    startup_max_num_seqs: int
-    limit: int
-    """The live limit on running sequences: the smaller of ``bytes_limit``
-    and ``memory_limit``."""
-    bytes_limit: int | None = None
-    """The startup value, lowered by corrections of the measured caches; never raised."""
-    memory_limit: int | None = None
-    """What the devices hold at the sequences' measured cost (:meth:`LiveMonitor._watch_memory`); None
-    while no device was read."""
-    ceiling: int | None = None
-    """The most the live limit may reach: the configured ``max_num_seqs`` where it follows the device."""
-    cost_per_seq_bytes: int | None = None
-    """The last sample's measured cost of one held sequence on the binding device."""
-    corrections: int
-    last_sample_seconds: float
-    """CPU time the last sample took: the engine core's (RPC, comparison,
-    status file) plus the slowest worker's (measuring, in-step tracking)."""
-    sample_seconds_total: float
-    steps: int = 0
-    """Engine steps since live sampling began."""
-    step_seconds_total: float = 0.0
-    """Wall time of those steps, without the live hook."""
-    hook_seconds_total: float = 0.0
-    """Wall time of the live hook around those steps, samples included: the
-    overhead, against ``step_seconds_total``."""
-    watched_steps: int = 0
-    """Steps watched inside (in-step windows open)."""
-    watched_step_seconds_total: float = 0.0
-    """Wall time of those steps, the workers' in-step tracking included."""
-    tracking_seconds_total: float = 0.0
-    """CPU time the slowest worker spent counting caches inside the watched
-    steps: what watching added to them, beside ``hook_seconds_total``."""
-    ranks: list[RankLive]
-    findings: list[Finding]
 
 
 class LiveUpdate(BaseModel):

@@ -47,7 +47,7 @@ from typing import NamedTuple, get_args
 
 from kv_budget.deployment import StageSplit
 from kv_budget.plan.planner import DeclarationLine, Plan, at_max_num_seqs
-from kv_budget.watch.live import Finding, LiveState, Verdict
+from kv_budget.watch.live_state import Finding, LiveState, Verdict
 from kv_budget.watch.status import EngineStatus
 
 __all__ = [
@@ -87,7 +87,7 @@ DECLARATION_LABELS = (*OWNER_LABELS, "name", "scope", "rows")
 VERDICTS: tuple[str, ...] = get_args(Verdict)
 """Every verdict an owner can have (:data:`kv_budget.watch.live.Verdict`)."""
 FINDING_KINDS: tuple[str, ...] = get_args(Finding.model_fields["kind"].annotation)
-"""Every kind of live finding (:class:`kv_budget.watch.live.Finding`)."""
+"""Every kind of live finding (:class:`kv_budget.watch.live_state.Finding`)."""
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from kv_budget.deployment import StageSplit
 from kv_budget.plan.planner import Plan
 from kv_budget.runtime_files import write_atomically
 from kv_budget.stage import Stage
-from kv_budget.watch.live import LiveState
+from kv_budget.watch.live_state import LiveState
 
 __all__ = ["STATUS_DIR_ENV", "EngineStatus", "status_path", "stage_status_paths", "write_status", "read_status"]
 
