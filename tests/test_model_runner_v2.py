@@ -26,14 +26,13 @@ from kv_budget.settings import ModelLocalKVSettings, Policy
 from kv_budget.startup import ModelLocalKVPlanningError, checked_results, plan_startup
 from vllm_patches import compat
 from vllm_patches.compat import (
-    MODEL_RUNNER_V2,
-    MODEL_RUNNER_V2_HOOK_POINTS,
     InstalledVllm,
     VllmSourceTree,
     model_runner_v2_problem,
     model_runner_v2_problems,
     runs_model_runner_v2,
 )
+from vllm_patches.compat.model_runner_v2 import MODEL_RUNNER_V2, MODEL_RUNNER_V2_HOOK_POINTS
 from vllm_patches.workers import budget_on_worker
 
 ROW = REQUEST_ROW_BYTES

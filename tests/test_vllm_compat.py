@@ -13,23 +13,25 @@ import pytest
 
 from vllm_patches import compat
 from vllm_patches.compat import (
-    ARG_UTILS,
-    ASYNC_LLM,
-    CORE_CLIENT,
-    ENGINE_CORE,
-    ENGINE_MESSAGES,
-    EXECUTOR,
     HOOK_POINTS,
-    KV_CACHE_INTERFACE,
-    METRICS_LOGGERS,
-    SCHEDULER,
-    SCHEDULER_CONFIG,
     InstalledVllm,
     UnsupportedVllmError,
     VllmSourceTree,
     detect_features,
     hook_point_problems,
     support_of,
+)
+from vllm_patches.compat.hook_points import (
+    ARG_UTILS,
+    ASYNC_LLM,
+    CORE_CLIENT,
+    ENGINE_CORE,
+    ENGINE_MESSAGES,
+    EXECUTOR,
+    KV_CACHE_INTERFACE,
+    METRICS_LOGGERS,
+    SCHEDULER,
+    SCHEDULER_CONFIG,
 )
 from peers.wheels import WheelUnavailable, unpacked_wheel
 

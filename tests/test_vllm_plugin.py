@@ -53,7 +53,7 @@ def registered(vllm):
 def checked_vllm_restored(monkeypatch):
     """Tests that fake ``vllm.__version__`` re-run the check, which keeps its
     result for the process; a later test would read the fake version."""
-    monkeypatch.setattr(compat, "_checked", compat._checked)
+    monkeypatch.setattr(compat.check, "_checked", compat.check._checked)
 
 
 def test_entry_point_is_declared_for_vllm():

@@ -53,17 +53,14 @@ general plugins, so in a script that loads nothing before, the first
 after, and :func:`patch_stage_runtime` warns then that keyword settings
 were not seen (``vllm serve --omni`` loads plugins when it builds its
 parser, so it is never affected). Every hook point is checked by
-:func:`check_vllm_omni` before anything is patched.
+:func:`vllm_patches.compat.omni.check_vllm_omni` before anything is patched.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
-import inspect
 import logging
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -72,20 +69,14 @@ from kv_budget.settings import CONFIG_KEY, SETTINGS, settings_from_additional_co
 from kv_budget.stage import Stage
 from kv_budget.startup import ModelLocalKVOverrideError
 from kv_budget.watch.status import STATUS_DIR_ENV, EngineStatus, read_status, stage_status_paths
-from vllm_patches.compat import UnsupportedVllmError
+from vllm_patches.compat.omni import check_vllm_omni, running_vllm_omni
 from vllm_patches.flags import flag_dest, merged_section
 from vllm_patches.omni_deployment import lower_driver_copies, record_deployment
 from vllm_patches.patching import patch_method
 
 logger = logging.getLogger("vllm.kv_budget")
 
-__all__ = [
-    "SUPPORTED_VLLM_OMNI", "check_vllm_omni", "deployment_settings", "register_omni", "running_vllm_omni",
-    "stage_settings",
-]
-
-SUPPORTED_VLLM_OMNI = ("0.30.0",)
-"""vLLM-Omni releases whose hook points below were read and run (docs/support.md)."""
+__all__ = ["deployment_settings", "register_omni", "stage_settings"]
 
 _KEYWORDS = {flag_dest(setting): setting.key for setting in SETTINGS}
 """``model_local_kv_policy`` -> ``policy``: the flags' destinations, which
@@ -349,58 +340,6 @@ def patch_stat_logger(stat_logger_cls) -> None:
 
 
 # --- registration -----------------------------------------------------------------
-
-def running_vllm_omni() -> bool:
-    """Whether this process runs vLLM-Omni: its package is imported (its
-    driver, a stage engine core and worker import it before vLLM loads
-    plugins) and installed (files of its wheel imported one by one, as the
-    audit targets do, are not a vLLM-Omni runtime). A plain vLLM process of
-    a venv that has vLLM-Omni installed is left alone."""
-    if "vllm_omni" not in sys.modules:
-        return False
-    try:
-        importlib.metadata.version("vllm-omni")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
-
-
-def check_vllm_omni() -> str:
-    """The vLLM-Omni version, or UnsupportedVllmError naming what does not
-    hold: the version, or a hook point this module wraps."""
-
-    version = importlib.metadata.version("vllm-omni")
-    if version not in SUPPORTED_VLLM_OMNI:
-        raise UnsupportedVllmError(
-            f"kv-budget supports vLLM-Omni {', '.join(SUPPORTED_VLLM_OMNI)}, found {version}: its settings paths, "
-            "stage runtime and stat logger were read for those releases (docs/support.md)")
-    from vllm_omni.config.model import OmniModelConfig
-    from vllm_omni.config.omni_config import VllmOmniConfig
-    from vllm_omni.core.sched.omni_generation_scheduler import OmniGenerationScheduler
-    from vllm_omni.engine import stage_admission, stage_init_utils
-    from vllm_omni.engine.stage_runtime import StageRuntime
-    from vllm_omni.entrypoints import stage_utils
-    from vllm_omni.metrics.stat_logger import OmniPrometheusStatLogger
-
-    needed = [(VllmOmniConfig, "from_pipeline_config"), (StageRuntime, "_build_logical_stage_init_plans"),
-              (StageRuntime, "_finalize_initialized_stages"), (StageRuntime, "launch_stage_engines"),
-              (OmniPrometheusStatLogger, "register_replica"),
-              (OmniPrometheusStatLogger, "record"),
-              # what the deployment's record reads, as vLLM-Omni's admission reads it
-              (stage_admission, "graph_reserve_bytes"), (stage_admission, "_diffusion_utilization"),
-              (stage_init_utils, "parse_physical_device_ids"), (stage_utils, "resolve_stage_physical_devices"),
-              # what counts requests parked between async chunks (vllm_patches.omni_chunks)
-              (OmniGenerationScheduler, "_get_async_chunk_reserved_running_slots")]
-    missing = [f"{getattr(owner, '__name__', owner)}.{name}" for owner, name in needed if not hasattr(owner, name)]
-    if "retains_state_across_chunks" not in getattr(OmniModelConfig, "__dataclass_fields__", {}):
-        missing.append("OmniModelConfig.retains_state_across_chunks")
-    finalize = list(inspect.signature(StageRuntime._finalize_initialized_stages).parameters)
-    if finalize[:2] != ["self", "stage_plans"]:
-        missing.append(f"StageRuntime._finalize_initialized_stages(self, stage_plans, ...) (it takes {finalize})")
-    if missing:
-        raise UnsupportedVllmError(f"vLLM-Omni {version} lacks {', '.join(missing)}, which kv-budget wraps or reads")
-    return version
-
 
 def register_omni() -> None:
     """The vLLM-Omni patches, where vLLM-Omni runs (:func:`running_vllm_omni`)."""
