@@ -270,12 +270,26 @@ def audit_module(module: Any, max_num_seqs: int | None = None) -> AuditReport:
     specs_by_owner: dict[str, list[ModelLocalKVSpec]] = {}
     for owned in collection.specs:
         specs_by_owner.setdefault(owned.owner, []).append(owned.spec)
-
     owners = walk_modules(root)
+    caches_of = _caches_by_owner(owners, specs_by_owner)
+    seen: set[tuple[str, int | None, int]] = set()
+    entries = []
+    for path, _ in owners:
+        caches = [_cache_entry(holder, attr, label, cache, seen)
+                  for holder, attr, label, cache in caches_of.get(path, [])]
+        specs = specs_by_owner.get(path, [])
+        if specs or caches:
+            entries.append(_owner_audit(path, specs, caches, max_num_seqs))
+    failures = [FailureEntry(owner=f.owner, error=f.error) for f in collection.failures]
+    return AuditReport(owners=entries, failures=failures, max_num_seqs=max_num_seqs)
+
+
+def _caches_by_owner(owners: list[tuple[str, Any]], specs_by_owner: dict[str, list[ModelLocalKVSpec]],
+                     ) -> dict[str, list[tuple[str, str, str, Cache]]]:
+    """Each cache once, charged to its owner, seen from the owner itself
+    when it holds the cache, else from its first holder."""
     held = {path: held_caches(obj) for path, obj in owners}
     holders, assigned = attribute_caches([path for path, _ in owners], held, specs_by_owner)
-    # Each cache once, seen from the owner itself when it holds the cache,
-    # else from its first holder.
     caches_of: dict[str, list[tuple[str, str, str, Cache]]] = {}
     for holder, _ in owners:
         for attr, label, cache in held[holder]:
@@ -283,65 +297,37 @@ def audit_module(module: Any, max_num_seqs: int | None = None) -> AuditReport:
             seen_from = owner if owner in holders[id(cache)] else holders[id(cache)][0]
             if holder == seen_from:
                 caches_of.setdefault(owner, []).append((holder, attr, label, cache))
+    return caches_of
 
-    seen: set[tuple[str, int | None, int]] = set()
-    entries: list[OwnerAudit] = []
-    for path, _ in owners:
-        caches: list[CacheEntry] = []
-        for holder, attr, label, cache in caches_of.get(path, []):
-            layers = cache_breakdown(cache, seen=seen)
-            caches.append(
-                CacheEntry(
-                    attribute=attr,
-                    held_by=holder,
-                    path=label,
-                    cache_class=type(cache).__name__,
-                    rows=_cache_rows(layers),
-                    bytes=sum(layer.bytes for layer in layers),
-                    layers=layers,
-                )
-            )
-        specs = specs_by_owner.get(path, [])
-        if not specs and not caches:
-            continue
-        per_sequence = any(spec.rows is RowDriver.MAX_NUM_SEQS for spec in specs)
-        live: int | None = None
-        source: Literal["argument", "measured", "none"] = "none"
-        if per_sequence:
-            if max_num_seqs is not None:
-                live, source = max_num_seqs, "argument"
-            else:
-                live, source = _live_sequences(path, caches), "measured"
-        declarations: list[DeclarationEntry] = []
-        for spec in specs:
-            rows = spec.rows_fixed if spec.rows is RowDriver.FIXED else live
-            assert rows is not None
-            declarations.append(
-                DeclarationEntry(
-                    name=spec.name,
-                    scope=spec.scope.value,
-                    rows_driver=spec.rows.value,
-                    bytes_per_row=spec.bytes_per_row,
-                    rows=rows,
-                    bytes=spec.bytes_per_row * rows,
-                )
-            )
-        declared = sum(d.bytes for d in declarations)
-        measured = sum(c.bytes for c in caches)
-        entries.append(
-            OwnerAudit(
-                owner=path,
-                verdict=_verdict(bool(specs), bool(caches), declared, measured),
-                declarations=declarations,
-                declared_bytes=declared,
-                measured_bytes=measured,
-                live_sequences=live,
-                rows_source=source,
-                caches=caches,
-            )
-        )
-    failures = [FailureEntry(owner=f.owner, error=f.error) for f in collection.failures]
-    return AuditReport(owners=entries, failures=failures, max_num_seqs=max_num_seqs)
+
+def _cache_entry(holder: str, attr: str, label: str, cache: Cache, seen: set) -> CacheEntry:
+    layers = cache_breakdown(cache, seen=seen)
+    return CacheEntry(attribute=attr, held_by=holder, path=label, cache_class=type(cache).__name__,
+                      rows=_cache_rows(layers), bytes=sum(layer.bytes for layer in layers), layers=layers)
+
+
+def _owner_audit(path: str, specs: list[ModelLocalKVSpec], caches: list[CacheEntry],
+                 max_num_seqs: int | None) -> OwnerAudit:
+    """One owner's declarations at the live sequences (given, or measured from its caches) against its caches."""
+    live: int | None = None
+    source: Literal["argument", "measured", "none"] = "none"
+    if any(spec.rows is RowDriver.MAX_NUM_SEQS for spec in specs):
+        if max_num_seqs is not None:
+            live, source = max_num_seqs, "argument"
+        else:
+            live, source = _live_sequences(path, caches), "measured"
+    declarations: list[DeclarationEntry] = []
+    for spec in specs:
+        rows = spec.rows_fixed if spec.rows is RowDriver.FIXED else live
+        assert rows is not None
+        declarations.append(DeclarationEntry(name=spec.name, scope=spec.scope.value, rows_driver=spec.rows.value,
+                                             bytes_per_row=spec.bytes_per_row, rows=rows,
+                                             bytes=spec.bytes_per_row * rows))
+    declared = sum(d.bytes for d in declarations)
+    measured = sum(c.bytes for c in caches)
+    return OwnerAudit(owner=path, verdict=_verdict(bool(specs), bool(caches), declared, measured),
+                      declarations=declarations, declared_bytes=declared, measured_bytes=measured,
+                      live_sequences=live, rows_source=source, caches=caches)
 
 
 # --------------------------------------------------------------------------

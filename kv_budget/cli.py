@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import sys
+from typing import Any
 from collections.abc import Sequence
 
 from kv_budget.collect.model import Collection
@@ -82,14 +83,26 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Admission control for model-local KV caches kept outside vLLM's paged KV pool.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,audit}")
+    plan = _add_plan_parser(sub)
+    _add_plan_sources(plan)
+    _add_plan_settings(plan)
+    _add_pool_arguments(plan)
+    _add_audit_parser(sub)
+    return parser
 
-    plan = sub.add_parser(
+
+def _add_plan_parser(sub: Any) -> argparse.ArgumentParser:
+    return sub.add_parser(
         "plan",
         help="size max_num_seqs for a deployment before starting it",
         description="Plan max_num_seqs from declarations and a headroom, or every stage of a vLLM-Omni "
         "deploy file (--deploy). Exit 0 ok/capped/warned/reserved, 2 bad input, 3 infeasible under --policy cap "
         "or reserve.",
     )
+
+
+def _add_plan_sources(plan: argparse.ArgumentParser) -> None:
+    """What ``plan`` plans: declarations or a deploy file, and the room they get."""
     source = plan.add_mutually_exclusive_group()
     source.add_argument("--spec-file", help="JSON list of declarations (protocol field names)")
     source.add_argument("--preset", choices=sorted(PRESETS), help="published declarations of a model")
@@ -122,6 +135,10 @@ def _build_parser() -> argparse.ArgumentParser:
         "--platform", metavar="NAME",
         help="with --deploy: apply the file's platforms.NAME overrides (cuda, rocm, npu, ...); default: none",
     )
+
+
+def _add_plan_settings(plan: argparse.ArgumentParser) -> None:
+    """The engine settings ``plan`` applies as the plugin would."""
     plan.add_argument(
         "--gpu-memory-utilization", type=_utilization, default=None,
         help="vLLM's gpu_memory_utilization, with --device-memory (default 0.9)",
@@ -139,6 +156,10 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="configured max_num_seqs (default 256)")
     plan.add_argument("--policy", choices=[p.value for p in Policy], default=Policy.CAP.value,
                       help="cap (default), warn, off (reports like warn), or reserve (needs --kv-pool-bytes)")
+    plan.add_argument("--json", action="store_true", help="print only the plan as JSON")
+
+
+def _add_pool_arguments(plan: argparse.ArgumentParser) -> None:
     pool = plan.add_argument_group(
         "the paged KV pool (shows cap and reserve side by side; reserve needs them)")
     pool.add_argument("--kv-pool-bytes", type=byte_size_argument, metavar="SIZE",
@@ -151,8 +172,9 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="tokens per block (vLLM's --block-size; default 16)")
     pool.add_argument("--max-model-len", type=positive_int_argument, metavar="TOKENS",
                       help="vLLM's --max-model-len: one such sequence must still fit the pool")
-    plan.add_argument("--json", action="store_true", help="print only the plan as JSON")
 
+
+def _add_audit_parser(sub: Any) -> None:
     audit = sub.add_parser(
         "audit",
         help="compare a warmed-up model's declarations with the caches it holds",
@@ -165,7 +187,6 @@ def _build_parser() -> argparse.ArgumentParser:
         help="live sequences the factory left (default: derived from the caches' batch rows)",
     )
     audit.add_argument("--json", action="store_true", help="print only the report as JSON")
-    return parser
 
 
 _DEPLOY_ONLY = (

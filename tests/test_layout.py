@@ -141,6 +141,18 @@ def test_every_error_kv_budget_raises_derives_from_one_base(path):
     assert not apart, f"{module_name(path)}: {apart} do not derive from kv_budget.errors.KvBudgetError"
 
 
+MOST_LINES = 60
+"""The longest a function of the product may be, docstring included."""
+
+
+@pytest.mark.parametrize("path", MODULES, ids=module_name)
+def test_no_function_is_longer_than_sixty_lines(path):
+    long = [f"{node.name} ({node.end_lineno - node.lineno + 1} lines, line {node.lineno})"
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= MOST_LINES]
+    assert not long, f"{module_name(path)}: " + "; ".join(long)
+
+
 def test_the_glue_has_no_import_circle():
     graph = {module_name(p): {m for m, _, _ in imports_of(p) if is_glue(m) and m != module_name(p)}
              for p in MODULES if is_glue(module_name(p))}

@@ -138,6 +138,40 @@ def _capacity(device: int, visible: str | None) -> tuple[int, str] | None:
     return sample.total_bytes, f"{sample.source}: total"
 
 
+def _device_figures(stages: list[StageDeploy], settings: dict[int, ModelLocalKVSettings], visible: str | None,
+                    ) -> tuple[dict[int, int], dict[int, str], dict[int, tuple[int, str]]] | None:
+    """Per device the deployment's stages use: its size and where it came
+    from, and the operator's headroom where given; None (logged) where a
+    device has neither a size nor a headroom. ValueError where the stages on
+    a device give it different ones."""
+    from vllm_omni.platforms import current_omni_platform
+
+    capacities, sources, headrooms, unknown = {}, {}, {}, []
+    for device in sorted({d for s in stages for d in s.devices}):
+        here = {s.stage_id: settings[s.stage_id] for s in stages if device in s.devices and s.stage_id in settings}
+        size = _one_value(device, {sid: c.device_memory_bytes for sid, c in here.items()}, "device sizes",
+                          "device_memory_bytes (--model-local-kv-device-memory)")
+        headroom = _one_value(device, {sid: c.headroom_bytes for sid, c in here.items()
+                                       if c.policy in PLANNING_POLICIES},
+                              "headrooms", "headroom_bytes (--model-local-kv-headroom)")
+        if headroom is not None:
+            headrooms[device] = (headroom, "--model-local-kv-headroom (the operator's room outside the pools)")
+        if size is not None:
+            capacities[device], sources[device] = size, "--model-local-kv-device-memory"
+        elif (measured := _capacity(device, visible)) is not None:
+            capacities[device], sources[device] = measured
+        elif headroom is None:
+            unknown.append(device)
+    if unknown:
+        logger.info(
+            "kv-budget: the size of device(s) %s cannot be measured on this platform (%s) and no headroom is "
+            "given: the deployment is not split, and a stage that plans before the others on a device can count "
+            "memory they will take. Give --model-local-kv-device-memory SIZE (or model_local_kv.device_memory_bytes)",
+            unknown, getattr(current_omni_platform, "device_type", "?"))
+        return None
+    return capacities, sources, headrooms
+
+
 def record_deployment(stage_plans: Any) -> Path | None:
     """Write the record of the deployment ``stage_plans`` describe (each
     ``LogicalStageInitPlan`` of vLLM-Omni) and set
@@ -164,29 +198,10 @@ def record_deployment(stage_plans: Any) -> Path | None:
                 if s.stage_id in settings and settings[s.stage_id].policy in PLANNING_POLICIES]
     if not planning:
         return None
-    capacities, sources, headrooms, unknown = {}, {}, {}, []
-    for device in sorted({d for s in stages for d in s.devices}):
-        here = {s.stage_id: settings[s.stage_id] for s in stages if device in s.devices and s.stage_id in settings}
-        size = _one_value(device, {sid: c.device_memory_bytes for sid, c in here.items()}, "device sizes",
-                          "device_memory_bytes (--model-local-kv-device-memory)")
-        headroom = _one_value(device, {sid: c.headroom_bytes for sid, c in here.items()
-                                       if c.policy in PLANNING_POLICIES},
-                              "headrooms", "headroom_bytes (--model-local-kv-headroom)")
-        if headroom is not None:
-            headrooms[device] = (headroom, "--model-local-kv-headroom (the operator's room outside the pools)")
-        if size is not None:
-            capacities[device], sources[device] = size, "--model-local-kv-device-memory"
-        elif (measured := _capacity(device, visible)) is not None:
-            capacities[device], sources[device] = measured
-        elif headroom is None:
-            unknown.append(device)
-    if unknown:
-        logger.info(
-            "kv-budget: the size of device(s) %s cannot be measured on this platform (%s) and no headroom is "
-            "given: the deployment is not split, and a stage that plans before the others on a device can count "
-            "memory they will take. Give --model-local-kv-device-memory SIZE (or model_local_kv.device_memory_bytes)",
-            unknown, getattr(current_omni_platform, "device_type", "?"))
+    measured = _device_figures(stages, settings, visible)
+    if measured is None:
         return None
+    capacities, sources, headrooms = measured
     ledger = next((c.ledger_dir for c in settings.values() if c.ledger_dir and c.ledger_dir != LEDGER_OFF), None)
     pid, start = this_process()
     record = DeploymentRecord(driver_pid=pid, driver_start=start, stages=stages, planning=planning,

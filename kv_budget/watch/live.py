@@ -71,6 +71,7 @@ __all__ = [
     "DEAD_AFTER_COMPLETED",
     "MAX_SAMPLING_FRACTION",
     "first_admission",
+    "device_following",
     "DeviceFree",
     "OwnerBytes",
     "WorkerSample",
@@ -111,6 +112,23 @@ WATCHED_POLICIES = (Policy.CAP, Policy.WARN, Policy.RESERVE)
 CORRECTING_POLICIES = (Policy.CAP, Policy.RESERVE)
 """The policies under which a measurement lowers the live limit: ``cap``
 keeps what runs within the headroom, ``reserve`` within the reservation."""
+
+def device_following(plan: Plan, may_pass_startup_cap: bool) -> tuple[bool, int]:
+    """Whether the live limit follows the device rather than the startup
+    cap, and the most it may reach. It follows under ``cap`` with a
+    measured headroom (a margin kept): the cap rests on a guess of what the
+    engine adds under load, which serving measures; an operator's headroom
+    is exact, and the cap stands. The most is the configured
+    ``max_num_seqs`` (what the workers' batches were sized for) where it
+    follows the device and nothing else counts on the startup figure
+    (``may_pass_startup_cap``), else the startup cap. What counts on it: a
+    vLLM-Omni stage's deployment split (the other stages' parts are planned
+    around it) and the device ledger (engines that start later take this
+    engine's recorded reservation off what they measure)."""
+    follows = plan.policy is Policy.CAP and any(w.headroom.margin_bytes for w in plan.workers)
+    passes = follows and may_pass_startup_cap
+    return follows, plan.configured_max_num_seqs if passes else plan.effective_max_num_seqs
+
 
 def first_admission(plan: Plan) -> int:
     """Where a limit that follows the device starts: the startup cap, or,
@@ -337,22 +355,8 @@ class LiveMonitor:
         self.owners = {
             worker.rank: {e.owner: _OwnerTrack(e) for e in owner_expectations(worker)} for worker in plan.workers
         }
-        self.follows_device = plan.policy is Policy.CAP and any(w.headroom.margin_bytes for w in plan.workers)
-        """Whether the live limit follows the device rather than the startup
-        cap: under ``cap`` with a measured headroom (a margin kept), the cap
-        rests on a guess of what the engine adds under load, which serving
-        measures. An operator's headroom is exact: the cap stands."""
-        passes = self.follows_device and past_startup_cap and resplit is None
-        self.ceiling = plan.configured_max_num_seqs if passes else plan.effective_max_num_seqs
-        """The most the live limit may reach: the configured ``max_num_seqs``
-        (what the workers' batches were sized for) where it follows the
-        device and nothing else counts on the startup figure, else the
-        startup cap. What counts on it: a vLLM-Omni stage's deployment split
-        (``resplit``: the other stages' parts are planned around it) and the
-        device ledger (``past_startup_cap`` False: engines that start later
-        take this engine's recorded reservation off what they measure)."""
-        start = plan.effective_max_num_seqs
-        self.limit = first_admission(plan) if self.follows_device else start
+        self.follows_device, self.ceiling = device_following(plan, past_startup_cap and resplit is None)
+        self.limit = first_admission(plan) if self.follows_device else plan.effective_max_num_seqs
         """The live limit (:meth:`observe`)."""
         self.bytes_limit = plan.effective_max_num_seqs
         """The startup value, lowered where the measured caches call for it; never raised."""
@@ -367,17 +371,11 @@ class LiveMonitor:
         spread widest, kept when the load drains: otherwise an idle engine,
         nothing held, would read the declared bytes as the cost and let the
         next burst in at once as if nothing else grew."""
-        self.samples = 0
-        self.samples_while_running = 0
-        self.running = 0
+        self.samples = self.samples_while_running = self.corrections = 0
+        self.running = self.held = self.waiting = self.completed = 0
         self.parked = 0
         """vLLM-Omni async-chunk stages: requests out of ``running`` between chunks, caches kept."""
-        self.held = 0
-        self.waiting = 0
-        self.completed = 0
-        self.corrections = 0
-        self.last_sample_seconds = 0.0
-        self.sample_seconds_total = 0.0
+        self.last_sample_seconds = self.sample_seconds_total = 0.0
         self.peak = {rank: 0 for rank in self.workers}
         self.peak_within_limit = {rank: 0 for rank in self.workers}
         self._at_once: dict[int, int] = {}
@@ -387,12 +385,9 @@ class LiveMonitor:
         self.undeclared: dict[int, dict[str, _OwnerTrack]] = {rank: {} for rank in self.workers}
         """Per rank, the modules that declare nothing and held caches inside a step."""
         self.findings: list[Finding] = []
-        self.steps = 0
-        self.step_seconds_total = 0.0
-        self.hook_seconds_total = 0.0
-        self.watched_steps = 0
-        self.watched_step_seconds_total = 0.0
-        self.tracking_seconds_total = 0.0
+        self.steps = self.watched_steps = 0
+        self.step_seconds_total = self.hook_seconds_total = 0.0
+        self.watched_step_seconds_total = self.tracking_seconds_total = 0.0
         """Filled in by the engine hook, which times the steps and itself."""
         self._last_sample_at: float | None = None
         self._excess_grew = False
