@@ -67,3 +67,16 @@ def test_every_refusal_and_finding_kind_is_on_the_operator_page():
     schema = (README.parent / "kv_budget" / "watch" / "live_state.py").read_text()
     kinds = re.search(r'kind: Literal\[([^\]]*)\]', schema).group(1)
     assert not [kind for kind in re.findall(r'"([a-z-]+)"', kinds) if f"| `{kind}` |" not in page]
+
+
+def test_every_test_the_testing_index_names_exists():
+    """The index in docs/testing.md names tests as ``file.py::name`` (``::name`` for another in the same file)."""
+    text = (README.parent / "docs" / "testing.md").read_text()
+    index = text[text.index("## Where each fault is tested"):]
+    missing, current = [], None
+    for file, name in re.findall(r"`(?:(test_\w+\.py))?::(\w+)", index):
+        current = file or current
+        source = (README.parent / "tests" / current).read_text()
+        if f"def {name}(" not in source and f"class {name}" not in source:
+            missing.append(f"{current}::{name}")
+    assert len(re.findall(r"::\w+", index)) > 40 and not missing, missing
