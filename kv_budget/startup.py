@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -77,6 +78,7 @@ logger = logging.getLogger("vllm.kv_budget")
 
 __all__ = [
     "NO_HEADROOM_UNDER_RESERVE",
+    "EngineContext",
     "WorkerProblem",
     "WorkerResult",
     "worker_result",
@@ -241,10 +243,23 @@ def unmatched_on_every_worker(results: list[WorkerResult]) -> list[str]:
     return [text for text in results[0].unmatched_overrides if text in nowhere]
 
 
-def plan_startup(
-    results: list[WorkerResult], settings: ModelLocalKVSettings, configured: int, label: str, vllm_figures: dict,
-    started: float, stage: Stage | None = None, deployment: DeploymentPlanning | None = None,
-) -> Plan | None:
+@dataclass(frozen=True)
+class EngineContext:
+    """What the startup flow knows of the engine it plans for, passed as one
+    through the plan, the deployment's final split and the report."""
+
+    settings: ModelLocalKVSettings
+    configured_max_num_seqs: int
+    label: str
+    """Its name in the device ledger (:func:`engine_label`)."""
+    vllm_figures: dict
+    """The vLLM it runs on (version, distribution, support), for the log and the report."""
+    stage: Stage | None = None
+    """Its vLLM-Omni stage; None in plain vLLM."""
+
+
+def plan_startup(results: list[WorkerResult], engine: EngineContext, started: float,
+                 deployment: DeploymentPlanning | None = None) -> Plan | None:
     """Plan from every worker's :func:`checked_results`: against the device
     ledger (and ``deployment``'s split, in a vLLM-Omni stage), the minimum
     over workers, logged as a table with its timing (from ``started``, a
@@ -253,6 +268,8 @@ def plan_startup(
     :class:`ModelLocalKVInfeasibleError` when nothing fits under ``cap``,
     or when a device could not be measured under ``cap``; under ``warn`` the
     latter logs and returns None."""
+    settings, configured, label, stage = engine.settings, engine.configured_max_num_seqs, engine.label, engine.stage
+    vllm_figures = engine.vllm_figures
     errors = [f"rank {r.rank}: {r.problem.message}" for r in results if r.problem and r.problem.kind == "sampling"]
     if errors:
         message = (
@@ -297,8 +314,7 @@ def _split_json(split: StageSplit | None) -> dict | None:
     return None if split is None else split.model_dump(mode="json")
 
 
-def final_deployment_plan(deployment: DeploymentPlanning, settings: ModelLocalKVSettings, configured: int,
-                          label: str, vllm_figures: dict) -> Plan | None:
+def final_deployment_plan(deployment: DeploymentPlanning, engine: EngineContext) -> Plan | None:
     """The plan under ``deployment``'s final split, once every stage on its
     devices has recorded; None while some have not. It is logged, recorded
     in the device ledger in place of the provisional one, and written to
@@ -307,7 +323,8 @@ def final_deployment_plan(deployment: DeploymentPlanning, settings: ModelLocalKV
     workers = deployment.final()
     if workers is None:
         return None
-    plan = make_plan(workers, configured, settings.policy)
+    settings, label, vllm_figures = engine.settings, engine.label, engine.vllm_figures
+    plan = make_plan(workers, engine.configured_max_num_seqs, settings.policy)
     if settings.ledger_dir != LEDGER_OFF and plan.decision is not Decision.INFEASIBLE:
         keys = [device or "" for device in deployment.devices]
         with open_ledger(ledger_directory(settings), keys) as ledger:

@@ -43,6 +43,7 @@ from kv_budget.sample.in_step import InStepPeaks
 from kv_budget.settings import ModelLocalKVSettings
 from kv_budget.stage import Stage
 from kv_budget.startup import (
+    EngineContext,
     ModelLocalKVInfeasibleError,
     WorkerResult,
     final_deployment_plan,
@@ -261,11 +262,12 @@ def test_the_stage_that_planned_first_gets_the_final_split_from_the_startup_path
     for sid, configured in ((0, 64), (1, 32)):
         stage = Stage(stage_id=sid, replica=0)
         planning[sid] = DeploymentPlanning(path, read_deployment(path), stage)
-        plans[sid] = plan_startup(result(configured), settings, configured, f"pid 1: model m, {stage.label()}",
-                                  vllm, 0.0, stage, planning[sid])
+        engine = EngineContext(settings, configured, f"pid 1: model m, {stage.label()}", vllm, stage)
+        plans[sid] = plan_startup(result(configured), engine, 0.0, planning[sid])
     assert plans[0].effective_max_num_seqs == 64 and not planning[0].split.final
     assert plans[1].effective_max_num_seqs == 30 and planning[1].split.final
-    final = final_deployment_plan(planning[0], settings, 64, "pid 1: model m, stage 0 replica 0", vllm)
+    final = final_deployment_plan(planning[0], EngineContext(settings, 64, "pid 1: model m, stage 0 replica 0", vllm,
+                                                             Stage(stage_id=0, replica=0)))
     assert final.effective_max_num_seqs == 60 and planning[0].split.final
     report = json.loads((tmp_path / "reports" / "plan.stage0-replica0.json").read_text())
     assert report["effective_max_num_seqs"] == 60 and report["deployment"]["final"]
@@ -288,7 +290,7 @@ def test_the_stage_completing_the_record_refuses_when_the_final_split_starves_an
         stage = Stage(stage_id=sid, replica=0)
         budget = budget_worker(collection, headroom_override(headroom), max_num_seqs=configured)
         results = [WorkerResult(rank=0, budget=budget)]
-        return plan_startup(results, settings, configured, "e", vllm, 0.0, stage,
+        return plan_startup(results, EngineContext(settings, configured, "e", vllm, stage), 0.0,
                             DeploymentPlanning(path, read_deployment(path), stage))
 
     assert plan(0, 64, 4288 * MiB // 4 + 20 * DEMO_PER_SEQ).effective_max_num_seqs == 20

@@ -23,7 +23,7 @@ from audit_models import REQUEST_ROW_BYTES, RequestDeclaringModel
 
 from kv_budget.plan.planner import Decision
 from kv_budget.settings import ModelLocalKVSettings, Policy
-from kv_budget.startup import ModelLocalKVPlanningError, checked_results, plan_startup
+from kv_budget.startup import EngineContext, ModelLocalKVPlanningError, checked_results, plan_startup
 from vllm_patches import compat
 from vllm_patches.compat import (
     InstalledVllm,
@@ -201,7 +201,8 @@ def test_a_v2_runner_holding_its_model_is_planned_on(v2_runner_classes, which):
     result = budget_on_worker(worker, _settings(), 256, 1)
     assert result["problem"] is None and result["declarations"] == ["talker/kv"]
     settings = ModelLocalKVSettings(headroom_bytes=10 * ROW, ledger_dir="off")
-    plan = plan_startup(checked_results([result], Policy.CAP), settings, 256, "pid 1: model m", VLLM, started=0.0)
+    plan = plan_startup(checked_results([result], Policy.CAP), EngineContext(settings, 256, "pid 1: model m", VLLM),
+                        started=0.0)
     assert (plan.decision, plan.effective_max_num_seqs) == (Decision.CAPPED, 10)
 
 

@@ -48,7 +48,7 @@ from kv_budget.sample.device import MemorySamplingError, ProcessPeak, sample_mem
 from kv_budget.sample.in_step import InStepTracker
 from kv_budget.settings import LEDGER_OFF, ModelLocalKVSettings, Policy
 from kv_budget.stage import Stage
-from kv_budget.startup import final_deployment_plan
+from kv_budget.startup import EngineContext, final_deployment_plan
 from kv_budget.watch.live import (
     WATCHED_POLICIES,
     DeviceFree,
@@ -436,21 +436,18 @@ class PendingSplit:
 
     POLL_S = 0.05
 
-    def __init__(self, deployment: DeploymentPlanning, settings: ModelLocalKVSettings, configured: int, label: str,
-                 vllm_figures: dict, live: LiveHook | None) -> None:
+    def __init__(self, deployment: DeploymentPlanning, engine: EngineContext, live: LiveHook | None) -> None:
         self.deployment = deployment
-        self.settings = settings
-        self.configured = configured
-        self.label = label
-        self.vllm_figures = vllm_figures
+        self.engine = engine
+        self.settings = engine.settings
+        self.configured = engine.configured_max_num_seqs
         self.live = live
 
     def before_step(self, core: Any) -> None:
         """Wait for the final split (every stage on the devices recorded),
         then apply it; runs once, before the stage's first step."""
         logged = False
-        while (plan := final_deployment_plan(self.deployment, self.settings, self.configured, self.label,
-                                             self.vllm_figures)) is None:
+        while (plan := final_deployment_plan(self.deployment, self.engine)) is None:
             if not logged:
                 logger.warning("kv-budget: a request arrived before %s planned: waiting for the final split",
                                ", ".join(s.label() for s in self.deployment.split.waiting_for))

@@ -33,13 +33,14 @@ import logging
 import time
 from typing import Any
 
+from kv_budget.deployment import DeploymentPlanning
 from kv_budget.plan.planner import Decision, Plan
 from kv_budget.plan.reserve import watch_plan
 from kv_budget.report import summary_line
 from kv_budget.settings import Policy, settings_from_additional_config
 from kv_budget.stage import Stage
 from kv_budget.startup import (
-    DeploymentPlanning,
+    EngineContext,
     ModelLocalKVInfeasibleError,
     ModelLocalKVPlanningError,
     plan_startup,
@@ -101,7 +102,8 @@ def plan_after_kv_caches(core: Any, vllm_config: Any) -> Plan | None:
         return None
     deployment = DeploymentPlanning.of_this_process(stage)
     label = this_engine(vllm_config)
-    plan = plan_startup(results, settings, configured, label, vllm_figures(), start, stage, deployment)
+    engine = EngineContext(settings, configured, label, vllm_figures(), stage)
+    plan = plan_startup(results, engine, start, deployment)
     if plan is None:
         return None
     count_parked_at_startup(vllm_config, plan, stage)
@@ -113,8 +115,7 @@ def plan_after_kv_caches(core: Any, vllm_config: Any) -> Plan | None:
     live = start_live(core, vllm_config, plan, settings, stage, results[0].overrides,
                       unmatched_on_every_worker(results), deployment)
     if split is not None and not split.final:
-        attached_state(core, CoreState).pending_split = PendingSplit(deployment, settings, configured, label,
-                                                                     vllm_figures(), live)
+        attached_state(core, CoreState).pending_split = PendingSplit(deployment, engine, live)
     return plan
 
 
