@@ -66,22 +66,33 @@ from vllm_patches.patching import patch_method
 
 logger = logging.getLogger("vllm.kv_budget")
 
-_scanners: dict[int, tuple[tuple, HeldBytes]] = {}
-"""Per worker process: id(model) -> (what it was built for, its scanner), built on the first sample."""
+@dataclass
+class WorkerState:
+    """kv-budget's live state on one vLLM worker, built on first use."""
 
-_trackers: dict[int, tuple[tuple, InStepTracker]] = {}
-"""Per worker process: id(model) -> (what it was built for, its in-step tracker), built on the first watched step."""
-
-_peaks: dict[str, ProcessPeak] = {}
-"""Per worker process: its device's :class:`ProcessPeak`, started by :func:`start_peak_on_worker`."""
+    scanner: tuple[tuple, HeldBytes] | None = None
+    """((the model's id, the owners it was built for), the scanner), from the first sample."""
+    tracker: tuple[tuple, InStepTracker] | None = None
+    """((the model's id, the owners it was built for), the in-step tracker), from the first watched step."""
+    peak: ProcessPeak | None = None
+    """The process's peak on its device, started by :func:`start_peak_on_worker`."""
 
 
 def _process_peak(worker: Any) -> ProcessPeak:
-    device = worker.device
-    key = f"{device.type}:{device.index or 0}"
-    if key not in _peaks:
-        _peaks[key] = ProcessPeak(device.type, device.index or 0)
-    return _peaks[key]
+    state = attached_state(worker, WorkerState)
+    if state.peak is None:
+        device = worker.device
+        state.peak = ProcessPeak(device.type, device.index or 0)
+    return state.peak
+
+
+def _built_for(kept: tuple[tuple, Any] | None, cls: type, model: Any, *owners: list[str]) -> tuple[tuple, Any]:
+    """The kept scanner or tracker, rebuilt when the model or the owners
+    (declaring owners, and for a scanner the undeclared holders) change."""
+    built_for = (id(model), owners)
+    if kept is None or kept[0] != built_for:
+        return built_for, cls(model, *owners)
+    return kept
 
 
 def start_peak_on_worker(worker: Any) -> None:
@@ -89,16 +100,6 @@ def start_peak_on_worker(worker: Any) -> None:
     count this process's peak from now, so startup's own (weights, the
     profile run) is not read as the first step's."""
     _process_peak(worker).read()
-
-
-def _per_model(table: dict, cls: type, model: Any, *owners: list[str]) -> Any:
-    """This model's scanner or tracker, rebuilt when the owners (declaring
-    owners, and for a scanner the undeclared holders) change."""
-    built_for, found = table.get(id(model), (None, None))
-    if found is None or built_for != owners:
-        found = cls(model, *owners)
-        table[id(model)] = (owners, found)
-    return found
 
 
 def watch_step_on_worker(worker: Any, owners_by_rank: dict[int, list[str]]) -> dict:
@@ -112,7 +113,9 @@ def watch_step_on_worker(worker: Any, owners_by_rank: dict[int, list[str]]) -> d
         result.error = cache_updates.install()
         if result.error is None:
             model = worker.model_runner.model
-            cache_updates.start(_per_model(_trackers, InStepTracker, model, owners_by_rank.get(worker.rank, [])))
+            state = attached_state(worker, WorkerState)
+            state.tracker = _built_for(state.tracker, InStepTracker, model, owners_by_rank.get(worker.rank, []))
+            cache_updates.start(state.tracker[1])
     except Exception as exc:  # noqa: BLE001 - a sample must never take the engine down
         result.error = f"{type(exc).__name__}: {exc}"
     result.seconds = time.perf_counter() - start
@@ -142,7 +145,9 @@ def measure_on_worker(worker: Any, owners_by_rank: dict[int, list[str]],
         # The holders this window met are measured after the step at once: what they keep between
         # steps is their per-sequence part, what the step added on top is not.
         holders = [*(holders_by_rank or {}).get(worker.rank, []), *(window.undeclared if window is not None else ())]
-        scanner = _per_model(_scanners, HeldBytes, model, owners, list(dict.fromkeys(holders)))
+        state = attached_state(worker, WorkerState)
+        state.scanner = _built_for(state.scanner, HeldBytes, model, owners, list(dict.fromkeys(holders)))
+        scanner = state.scanner[1]
         held, untouched = scanner.measure_apart(tracker.touched() if tracker is not None else set())
         result.owners = [OwnerBytes(owner=owner, bytes=size) for owner, size in held.items()]
         if window is not None and window.error is not None:
