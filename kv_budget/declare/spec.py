@@ -79,7 +79,6 @@ ModelLocalKVScope = Scope
 import it from here."""
 
 
-
 class RowDriver(str, Enum):
     """What multiplies one row of a declaration at peak.
 
