@@ -21,7 +21,13 @@ the planner, samplers and report are imported from their modules
 
 from kv_budget.collect.model import collect_model_local_kv_specs
 from kv_budget.declare.hf_config import spec_from_hf_config
-from kv_budget.declare.spec import HasModelLocalKV, InvalidDeclarationError, ModelLocalKVScope, ModelLocalKVSpec, RowDriver
+from kv_budget.declare.spec import (
+    HasModelLocalKV,
+    InvalidDeclarationError,
+    ModelLocalKVScope,
+    ModelLocalKVSpec,
+    RowDriver,
+)
 
 __version__ = "0.1.0"
 

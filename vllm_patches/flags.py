@@ -81,7 +81,8 @@ def merge_flags_into_additional_config(engine_args, namespace) -> None:
         return
     additional = engine_args.additional_config
     if not isinstance(additional, dict):
-        raise ValueError(f"--model-local-kv-* flags need additional_config to be a dict, got {type(additional).__name__}")
+        raise ValueError("--model-local-kv-* flags need additional_config to be a dict, "
+                         f"got {type(additional).__name__}")
     additional = dict(additional)  # never mutate the namespace's own dict
     additional[CONFIG_KEY] = merged_section(additional.get(CONFIG_KEY) or {}, given)
     engine_args.additional_config = additional

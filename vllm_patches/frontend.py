@@ -80,7 +80,8 @@ from vllm_patches.patching import patch_method
 
 
 __all__ = [
-    "REFRESH_INTERVAL_S", "KvBudgetStatLogger", "lower_frontend_max_num_seqs", "patch_async_llm", "patch_ready_response",
+    "REFRESH_INTERVAL_S", "KvBudgetStatLogger", "lower_frontend_max_num_seqs", "patch_async_llm",
+    "patch_ready_response",
     "stat_logger_where_stats_are_on",
 ]
 

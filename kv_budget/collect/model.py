@@ -308,5 +308,6 @@ def collect_model_local_kv_specs(model: Any, time_limit_s: float | None = COLLEC
             for path, _ in owners[asking + 1:]
         )
         logger.warning("model_local_kv_specs() of %s did not return within %g s; it and %d owner(s) "
-                       "not asked yet are recorded as failures", slow or "<root>", time_limit_s, len(owners) - asking - 1)
+                       "not asked yet are recorded as failures",
+                       slow or "<root>", time_limit_s, len(owners) - asking - 1)
     return Collection(tuple(_distinct_names(specs)), tuple(failures))

@@ -1,4 +1,6 @@
-"""The hook points: what each patch assumes of vLLM, checked through a :class:`~vllm_patches.compat.source.VllmSource`, and the per-version features the patches branch on."""
+"""The hook points: what each patch assumes of vLLM, checked through a
+:class:`~vllm_patches.compat.source.VllmSource`, and the per-version
+features the patches branch on."""
 
 from __future__ import annotations
 
@@ -8,7 +10,11 @@ from typing import Callable
 
 from vllm_patches.compat.source import VllmSource
 
-__all__ = ["ARG_UTILS", "ENGINE_CORE", "SCHEDULER_CONFIG", "SCHEDULER", "EXECUTOR", "KV_CACHE_INTERFACE", "CORE_CLIENT", "ASYNC_LLM", "ENGINE_MESSAGES", "METRICS_LOGGERS", "HookPoint", "self_attribute", "assignment_targets", "ADMISSION_LIMITS", "admission_limit", "HOOK_POINTS", "VllmFeatures", "detect_features", "hook_point_problems"]
+__all__ = [
+    "ARG_UTILS", "ENGINE_CORE", "SCHEDULER_CONFIG", "SCHEDULER", "EXECUTOR", "KV_CACHE_INTERFACE", "CORE_CLIENT",
+    "ASYNC_LLM", "ENGINE_MESSAGES", "METRICS_LOGGERS", "HookPoint", "self_attribute", "assignment_targets",
+    "ADMISSION_LIMITS", "admission_limit", "HOOK_POINTS", "VllmFeatures", "detect_features", "hook_point_problems",
+]
 
 
 ARG_UTILS = "vllm.engine.arg_utils"
@@ -196,7 +202,8 @@ def _scheduler_tracks_requests(source: VllmSource) -> str | None:
         return "not found"
     assigned = {
         target.attr for node in ast.walk(member.body) if isinstance(node, (ast.Assign, ast.AnnAssign))
-        for target in assignment_targets(node) if isinstance(target, ast.Attribute) and self_attribute(target, target.attr)
+        for target in assignment_targets(node)
+        if isinstance(target, ast.Attribute) and self_attribute(target, target.attr)
     }
     missing = [name for name in ("running", "finished_req_ids") if name not in assigned]
     return f"does not set self.{', self.'.join(missing)}" if missing else None

@@ -9,7 +9,10 @@ from vllm_patches.compat.check import vllm_version
 from vllm_patches.compat.hook_points import HookPoint, assignment_targets, hook_point_problems, self_attribute
 from vllm_patches.compat.source import InstalledVllm, VllmSource
 
-__all__ = ["MODEL_RUNNER_V2", "MODEL_RUNNER_V2_CLASS", "MODEL_RUNNER_V2_HOOK_POINTS", "model_runner_v2_problems", "runs_model_runner_v2", "model_runner_v2_problem"]
+__all__ = [
+    "MODEL_RUNNER_V2", "MODEL_RUNNER_V2_CLASS", "MODEL_RUNNER_V2_HOOK_POINTS", "model_runner_v2_problems",
+    "runs_model_runner_v2", "model_runner_v2_problem",
+]
 
 
 MODEL_RUNNER_V2 = "vllm.v1.worker.gpu.model_runner"

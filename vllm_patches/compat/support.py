@@ -1,4 +1,5 @@
-"""The support table: the vLLM versions kv-budget was run on or checked against, and the error an unsupported one raises."""
+"""The support table: the vLLM versions kv-budget was run on or checked
+against, and the error an unsupported one raises."""
 
 from __future__ import annotations
 
