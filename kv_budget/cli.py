@@ -66,6 +66,7 @@ class _BadInput(KvBudgetError):
     """A problem with what the user typed; becomes one line and exit 2."""
 
 
+
 def _utilization(text: str) -> float:
     try:
         value = float(text)

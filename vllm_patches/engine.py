@@ -12,10 +12,10 @@ import logging
 import os
 from typing import Any, TypeVar
 
-from kv_budget.log import logger
 from kv_budget.stage import Stage
 from vllm_patches.compat import checked_vllm
 
+logger = logging.getLogger("vllm.kv_budget")
 
 __all__ = ["REPLICA_ENV", "STATE_ATTRIBUTE", "StageLogPrefix", "attached_state", "lower_max_num_seqs",
            "prefix_stage_logs", "stage_of"]

@@ -61,6 +61,7 @@ findings stay in the log, the report file and the status file.
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import threading
 import time
@@ -71,13 +72,13 @@ import msgspec
 from vllm.v1.engine import EngineCoreReadyResponse
 from vllm.v1.metrics.loggers import StatLoggerBase
 
-from kv_budget.log import logger
 from kv_budget.stage import Stage
 from kv_budget.watch.metrics import METRICS, label_names, status_samples
 from kv_budget.watch.status import STATUS_DIR_ENV, read_status, stage_status_paths, status_path
 from vllm_patches.engine import lower_max_num_seqs
 from vllm_patches.patching import patch_method
 
+logger = logging.getLogger("vllm.kv_budget")
 
 __all__ = [
     "REFRESH_INTERVAL_S", "KvBudgetStatLogger", "lower_frontend_max_num_seqs", "patch_async_llm",
@@ -100,7 +101,7 @@ def lower_frontend_max_num_seqs(vllm_config: Any, engine_max_num_seqs: int, engi
     applied = lower_max_num_seqs(vllm_config.scheduler_config, engine_max_num_seqs)
     if not applied:
         return []
-    logger.info("frontend %s (engine %d's ready response)", "; ".join(applied), engine_index)
+    logger.info("kv-budget: frontend %s (engine %d's ready response)", "; ".join(applied), engine_index)
     return applied
 
 
@@ -206,7 +207,7 @@ class KvBudgetStatLogger(StatLoggerBase):
         try:
             status = read_status(path)
         except (ValueError, OSError) as exc:
-            _warn_once(str(path), "metrics not published: %s", exc)
+            _warn_once(str(path), "kv-budget: metrics not published: %s", exc)
             return 0
         if status is None:
             return 0
@@ -223,7 +224,7 @@ class KvBudgetStatLogger(StatLoggerBase):
         try:
             self.refresh()
         except Exception as exc:  # noqa: BLE001 - logged once, never raised into vLLM
-            _warn_once(f"refresh:{self.engine_index}", "metrics refresh failed: %r", exc)
+            _warn_once(f"refresh:{self.engine_index}", "kv-budget: metrics refresh failed: %r", exc)
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
         if self._last_refresh is None or time.monotonic() - self._last_refresh >= REFRESH_INTERVAL_S:
@@ -246,7 +247,7 @@ def stat_logger_where_stats_are_on(original):
         if call.arguments["log_stats"]:
             call.arguments["stat_loggers"] = [*(call.arguments.get("stat_loggers") or ()), KvBudgetStatLogger]
         else:
-            logger.info("stats are off (--disable-log-stats): the kv_budget: series are not "
+            logger.info("kv-budget: stats are off (--disable-log-stats): the kv_budget: series are not "
                         "published on /metrics; the plan and live findings stay in this log")
         original(*call.args, **call.kwargs)
     return __init__

@@ -59,11 +59,11 @@ parser, so it is never affected). Every hook point is checked by
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
-from kv_budget.log import logger
 from kv_budget.plan.deploy_file import DeployError, settings_a_platform_replaces
 from kv_budget.settings import CONFIG_KEY, SETTINGS, settings_from_additional_config
 from kv_budget.stage import Stage
@@ -74,6 +74,7 @@ from vllm_patches.flags import flag_dest, merged_section
 from vllm_patches.omni_deployment import lower_driver_copies, record_deployment
 from vllm_patches.patching import patch_method
 
+logger = logging.getLogger("vllm.kv_budget")
 
 __all__ = ["deployment_settings", "register_omni", "stage_settings"]
 
@@ -125,7 +126,7 @@ def apply_to_stages(stage_configs: Any, deployment: dict) -> None:
         if not _is_llm_stage(stage_config):
             if deployment:
                 logger.warning(
-                    "stage %s is a diffusion stage: vLLM-Omni gives it no additional_config, so the "
+                    "kv-budget: stage %s is a diffusion stage: vLLM-Omni gives it no additional_config, so the "
                     "model_local_kv settings %s do not reach it (kv-budget plans LLM stages only)",
                     stage_config.stage_id, sorted(deployment))
             continue
@@ -164,7 +165,7 @@ def warn_platform_replacements(deploy_config_path: str | None) -> None:
         return  # vLLM-Omni read the file; a reading of ours that fails changes nothing it does
     for stage_id, keys in lost.items():
         logger.warning(
-            "stage %s: the deploy file's platforms.%s section sets additional_config, which replaces the "
+            "kv-budget: stage %s: the deploy file's platforms.%s section sets additional_config, which replaces the "
             "stage's own, so its model_local_kv settings %s do not apply on this platform; repeat them in "
             "platforms.%s.stages[stage_id=%s].additional_config.model_local_kv", stage_id, name.lower(), keys,
             name.lower(), stage_id)
@@ -240,7 +241,7 @@ def check_overrides_across_stages() -> None:
         raise ModelLocalKVOverrideError(refusal)
     given = sorted({text for status in statuses for text in status.overrides})
     if given:
-        logger.info("override(s) %s checked across %d stage(s): each matched a declaration in a stage",
+        logger.info("kv-budget: override(s) %s checked across %d stage(s): each matched a declaration in a stage",
                     ", ".join(map(repr, given)), len(statuses))
 
 
@@ -263,7 +264,7 @@ def patch_stage_runtime(stage_runtime_cls) -> None:
             missed = [s.stage_id for s in self._stage_configs if _is_llm_stage(s) and id(s) not in _resolved_here]
             if missed:
                 logger.warning(
-                    "vLLM-Omni resolved this deployment before it loaded vLLM's general plugins, so "
+                    "kv-budget: vLLM-Omni resolved this deployment before it loaded vLLM's general plugins, so "
                     "kv-budget did not see it: model_local_kv_* keywords given to Omni()/AsyncOmni() were dropped, "
                     "and a global additional_config['model_local_kv'] won over stage(s) %s's own keys. Load the "
                     "plugins before the first Omni()/AsyncOmni() of the process (from vllm.plugins import "

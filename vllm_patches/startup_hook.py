@@ -29,11 +29,11 @@ refuses to start rather than report a cap that does nothing.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 from kv_budget.deployment import DeploymentPlanning
-from kv_budget.log import logger
 from kv_budget.plan.planner import Decision, Plan
 from kv_budget.plan.reserve import watch_plan
 from kv_budget.report import summary_line
@@ -59,6 +59,8 @@ from vllm_patches.patching import patch_method
 from vllm_patches.pool_hook import reservation_to_watch, reserved_in_pool
 from vllm_patches.workers import collect_budgets, this_engine, vllm_figures
 
+logger = logging.getLogger("vllm.kv_budget")
+
 
 def plan_after_kv_caches(core: Any, vllm_config: Any) -> Plan | None:
     """Collect, sample and plan on every worker (:mod:`kv_budget.startup`),
@@ -67,7 +69,7 @@ def plan_after_kv_caches(core: Any, vllm_config: Any) -> Plan | None:
     stage = stage_of(vllm_config)
     prefix_stage_logs(stage)
     if stage is None and settings.device_memory_bytes is not None:
-        logger.warning("device_memory_bytes (--model-local-kv-device-memory) applies to vLLM-Omni "
+        logger.warning("kv-budget: device_memory_bytes (--model-local-kv-device-memory) applies to vLLM-Omni "
                        "deployments only; this plain vLLM engine ignores it")
     if settings.policy is Policy.OFF:
         return None
@@ -87,7 +89,7 @@ def plan_after_kv_caches(core: Any, vllm_config: Any) -> Plan | None:
     if scheduler_problem and settings.policy is Policy.CAP:
         raise UnsupportedVllmError(f"kv-budget cannot cap this engine: {scheduler_problem}")
     if scheduler_problem:
-        logger.warning("%s (policy warn: nothing is changed)", scheduler_problem)
+        logger.warning("kv-budget: %s (policy warn: nothing is changed)", scheduler_problem)
     configured = scheduler_config.max_num_seqs
     start = time.perf_counter()
     try:
@@ -126,7 +128,7 @@ def refuse_reserve_without_pool(core: Any, vllm_config: Any, settings: Any, stag
     results = collect_budgets(core, vllm_config, settings, sample=False)
     who = stage.label() if stage is not None else "this engine"
     if not any(r.declarations for r in results):
-        logger.info("%s has no paged KV pool and declares no model-local KV: policy reserve has "
+        logger.info("kv-budget: %s has no paged KV pool and declares no model-local KV: policy reserve has "
                     "nothing to do", who)
         return
     raise ModelLocalKVInfeasibleError(
@@ -141,7 +143,7 @@ def _apply_cap(scheduler_config: Any, plan: Plan) -> None:
     applied = lower_max_num_seqs(scheduler_config, plan.effective_max_num_seqs)
     _caps_awaiting_scheduler[id(scheduler_config)] = plan.effective_max_num_seqs
     logger.warning("%s", summary_line(plan))
-    logger.info("scheduler_config %s", "; ".join(applied))
+    logger.info("kv-budget: scheduler_config %s", "; ".join(applied))
 
 
 def patch_engine_core(engine_core_cls) -> None:
@@ -178,7 +180,7 @@ def patch_scheduler(scheduler_cls) -> None:
             if problem:
                 raise UnsupportedVllmError(f"kv-budget: {problem}")
             logger.info(
-                "Scheduler built (class %s) with max_num_running_reqs %d, the cap",
+                "kv-budget: Scheduler built (class %s) with max_num_running_reqs %d, the cap",
                 type(self).__qualname__, self.max_num_running_reqs,
             )
         return __init__

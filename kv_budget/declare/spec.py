@@ -79,6 +79,7 @@ ModelLocalKVScope = Scope
 import it from here."""
 
 
+
 class RowDriver(str, Enum):
     """What multiplies one row of a declaration at peak.
 

@@ -28,12 +28,12 @@ The jobs, one module each: :mod:`.support` (the support table),
 an engine starts). The names the patches and tests use are re-exported here.
 """
 
-from vllm_patches.compat.check import CheckedVllm, check_vllm, checked_vllm, vllm_distribution, vllm_version
+from vllm_patches.compat.support import HOW_CHECKED, SUPPORTED_VLLM, SupportedVllm, UnsupportedVllmError, support_of
+from vllm_patches.compat.source import InstalledVllm, VllmSource, VllmSourceTree
 from vllm_patches.compat.hook_points import HOOK_POINTS, VllmFeatures, detect_features, hook_point_problems
+from vllm_patches.compat.check import CheckedVllm, check_vllm, checked_vllm, vllm_distribution, vllm_version
 from vllm_patches.compat.model_runner_v2 import model_runner_v2_problem, model_runner_v2_problems, runs_model_runner_v2
 from vllm_patches.compat.runtime import require_no_scheduler_yet, scheduler_cap_problem, scheduler_class_problem
-from vllm_patches.compat.source import InstalledVllm, VllmSource, VllmSourceTree
-from vllm_patches.compat.support import HOW_CHECKED, SUPPORTED_VLLM, SupportedVllm, UnsupportedVllmError, support_of
 
 __all__ = [
     "HOOK_POINTS", "HOW_CHECKED", "SUPPORTED_VLLM", "CheckedVllm", "InstalledVllm", "SupportedVllm",
