@@ -66,6 +66,7 @@ from vllm_patches.patching import patch_method
 
 logger = logging.getLogger("vllm.kv_budget")
 
+
 @dataclass
 class WorkerState:
     """kv-budget's live state on one vLLM worker, built on first use."""
@@ -444,8 +445,6 @@ class PendingSplit:
     def __init__(self, deployment: DeploymentPlanning, engine: EngineContext, live: LiveHook | None) -> None:
         self.deployment = deployment
         self.engine = engine
-        self.settings = engine.settings
-        self.configured = engine.configured_max_num_seqs
         self.live = live
 
     def before_step(self, core: Any) -> None:
@@ -464,9 +463,9 @@ class PendingSplit:
             # reaching it means a stage recorded since: say so, keep what runs.
             logger.error("kv-budget: the final deployment split leaves this stage no sequence (%s); it keeps "
                          "max_num_seqs %d", plan.headroom_source,
-                         self.live.monitor.limit if self.live else self.configured)
+                         self.live.monitor.limit if self.live else self.engine.configured_max_num_seqs)
             return
-        if self.settings.policy is Policy.CAP:
+        if self.engine.settings.policy is Policy.CAP:
 
             applied = apply_limit(core.scheduler, plan.effective_max_num_seqs)
             lower_max_num_seqs(core.scheduler.scheduler_config, plan.effective_max_num_seqs)
@@ -474,7 +473,7 @@ class PendingSplit:
                            "request", plan.effective_max_num_seqs, checked_vllm().features.admission_limit, applied)
         else:
             logger.warning("kv-budget: final deployment split: safe max_num_seqs %s (policy warn: left at %d)",
-                           plan.safe_max_num_seqs, self.configured)
+                           plan.safe_max_num_seqs, self.engine.configured_max_num_seqs)
         if self.live is not None:
             self.live.monitor.plan = plan
             if plan.policy is Policy.CAP:

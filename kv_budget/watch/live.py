@@ -75,6 +75,7 @@ __all__ = [
     "DeviceFree",
     "OwnerBytes",
     "WorkerSample",
+    "WorkerAnswer",
     "WindowOpening",
     "LiveMeasurement",
     "OwnerExpectation",
@@ -182,14 +183,12 @@ class WorkerSample(BaseModel):
     headroom was the operator's (no margin to watch) or it was not sampled."""
 
 
-class WindowOpening(BaseModel):
-    """One worker's answer to opening the in-step window before a sampled
-    step (its JSON crosses ``collective_rpc``)."""
+class WorkerAnswer(BaseModel):
+    """What every worker's answer to a live RPC carries (its JSON crosses ``collective_rpc``)."""
 
     rank: int | None
     """None: the RPC itself failed, no worker answered."""
     error: str | None = None
-    """Why the window could not open; in-step measurement then stops."""
     seconds: float = 0.0
     cpu_seconds: float = 0.0
 
@@ -197,25 +196,22 @@ class WindowOpening(BaseModel):
         return "rank ?" if self.rank is None else f"rank {self.rank}"
 
 
-class LiveMeasurement(BaseModel):
-    """One worker's answer to a live sample (its JSON crosses ``collective_rpc``)."""
+class WindowOpening(WorkerAnswer):
+    """One worker's answer to opening the in-step window before a sampled
+    step; ``error``: why the window could not open (in-step measurement then stops)."""
 
-    rank: int | None
-    """None: the RPC itself failed, no worker answered."""
+
+class LiveMeasurement(WorkerAnswer):
+    """One worker's answer to a live sample; ``error``: why it could not
+    measure at all (sampling then stops)."""
+
     owners: list[OwnerBytes] = []
     step: InStepPeaks | None = None
     """The window's peaks, where one was open and counted every cache."""
     step_error: str | None = None
     """Why the open window could not count a cache; in-step measurement then stops."""
-    error: str | None = None
-    """Why the worker could not measure at all; sampling then stops."""
     free: DeviceFree | None = None
     """The device as the startup sampler reads it, where the watch follows it and it could be read."""
-    seconds: float = 0.0
-    cpu_seconds: float = 0.0
-
-    def label(self) -> str:
-        return "rank ?" if self.rank is None else f"rank {self.rank}"
 
     def sample(self, watched: bool) -> WorkerSample:
         """What the monitor judges: the step's peaks only where every worker's window was watched."""
