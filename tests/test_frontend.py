@@ -31,7 +31,9 @@ pytestmark = pytest.mark.vllm
 @pytest.fixture(scope="module", autouse=True)
 def registered():
     pytest.importorskip("vllm")
-    vllm_patches.register()
+    import vllm_patches.plugin  # imports vLLM: at run time, so that collecting this module does not
+
+    vllm_patches.plugin.register()
     kv_budget_demo.register()  # the configs below name the demo architecture
 
 
@@ -59,8 +61,8 @@ def test_the_ready_response_patch_is_applied_once():
     patched = MPClient._apply_ready_response
     assert getattr(patched, PATCH_MARK, False)
     assert not getattr(patched.__wrapped__, PATCH_MARK, False)
-    vllm_patches._registered = False  # a process that loads the plugin again
-    vllm_patches.register()
+    vllm_patches.plugin._registered = False  # a process that loads the plugin again
+    vllm_patches.plugin.register()
     assert MPClient._apply_ready_response is patched
 
 

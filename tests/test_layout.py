@@ -8,10 +8,10 @@ reach back against the flow sits in the wrong place. The vLLM glue is a
 package of its own, ``vllm_patches``, in layers (patching and compat; what
 an engine knows about itself; what runs in a worker, the flags and the chunk
 scheduling; the hooks; the vLLM-Omni driver; ``register``), with no circle
-among its modules, imports inside functions counted. Only the glue imports vLLM; nothing installed imports the demo,
-the peers' code or the tests; no ``_private`` name crosses a module
-boundary. Read from the source (imports inside functions count), so the
-test needs no vLLM. The wheel, built from a copy of the checkout, holds
+among its modules and no glue import inside a function. Only the glue
+imports vLLM; nothing installed imports the demo, the peers' code or the
+tests; no ``_private`` name crosses a module boundary. Read from the source
+(imports inside functions count), so the test needs no vLLM. The wheel, built from a copy of the checkout, holds
 kv_budget/ and vllm_patches/ only.
 """
 
@@ -44,14 +44,14 @@ FLOW = (
     ("kv_budget.watch",),
     ("kv_budget.report",),
     ("kv_budget.audit", "kv_budget.startup", "kv_budget.cli"),
-    ("vllm_patches.patching", "vllm_patches.compat"),
+    ("vllm_patches", "vllm_patches.patching", "vllm_patches.compat"),  # the package itself imports nothing
     ("vllm_patches.engine",),
     ("vllm_patches.workers", "vllm_patches.cache_updates", "vllm_patches.flags", "vllm_patches.omni_chunks"),
     ("vllm_patches.frontend", "vllm_patches.pool_hook", "vllm_patches.live_hook"),
     ("vllm_patches.startup_hook",),
     ("vllm_patches.omni_deployment",),
     ("vllm_patches.omni",),
-    ("vllm_patches",),  # register: every patch, in order
+    ("vllm_patches.plugin",),  # register: every patch, in order
 )
 """The steps in order; a module belongs to the longest prefix that names it."""
 
@@ -164,6 +164,27 @@ def test_the_glue_has_no_import_circle():
     assert not circles, f"modules on an import circle: {circles}"
 
 
+def imports_inside_functions(path: Path) -> list[tuple[str, int]]:
+    """(module, line) for every import written inside a function body."""
+    found = []
+    for function in ast.walk(ast.parse(path.read_text())):
+        if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(function):
+                if isinstance(node, ast.Import):
+                    found.extend((alias.name, node.lineno) for alias in node.names)
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    found.append((node.module, node.lineno))
+    return found
+
+
+@pytest.mark.parametrize("path", [p for p in MODULES if is_glue(module_name(p))], ids=module_name)
+def test_the_glue_imports_its_own_modules_at_the_top(path):
+    """An import inside a function is how a circle hides: the layers hold
+    only where every glue module names the ones it needs at import time."""
+    inside = [f"line {line}: {module}" for module, line in imports_inside_functions(path) if is_glue(module)]
+    assert not inside, f"{module_name(path)} imports glue inside a function: " + "; ".join(inside)
+
+
 def test_the_wheel_carries_the_product_only(tmp_path):
     """``pip wheel --no-deps .`` holds kv_budget/ (core and command),
     vllm_patches/ (the glue) and the plugin entry point; the demo and peers/
@@ -185,5 +206,5 @@ def test_the_wheel_carries_the_product_only(tmp_path):
     assert tops == {"kv_budget", "vllm_patches", next(top for top in tops if top.endswith(".dist-info"))}
     assert {"vllm_patches/__init__.py", "kv_budget/cli.py", "kv_budget/startup.py"} <= set(names)
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
-    assert "kv_budget = vllm_patches:register" in entry_points and "kv-budget = kv_budget.cli:main" in entry_points
+    assert "kv_budget = vllm_patches.plugin:register" in entry_points and "kv-budget = kv_budget.cli:main" in entry_points
     assert "kv_budget_demo" not in entry_points and "stat_logger_plugins" not in entry_points

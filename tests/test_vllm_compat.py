@@ -73,9 +73,9 @@ def test_every_hook_point_holds_read_live_and_read_as_files(installed_root):
 def test_the_live_reader_sees_past_kv_budgets_own_wrappers(installed_root):
     """After ``register`` the patched methods are wrappers taking
     ``*args``; the check must still read vLLM's own signature."""
-    import vllm_patches
+    import vllm_patches.plugin
 
-    vllm_patches.register()
+    vllm_patches.plugin.register()
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine.core import EngineCore
 

@@ -46,7 +46,9 @@ def vllm_classes() -> SimpleNamespace:
 
 @pytest.fixture(scope="module", autouse=True)
 def registered(vllm):
-    vllm_patches.register()
+    import vllm_patches.plugin  # imports vLLM: at run time, so that collecting this module does not
+
+    vllm_patches.plugin.register()
 
 
 @pytest.fixture(autouse=True)
@@ -58,18 +60,18 @@ def checked_vllm_restored(monkeypatch):
 
 def test_entry_point_is_declared_for_vllm():
     (entry,) = [e for e in importlib.metadata.entry_points(group="vllm.general_plugins") if e.name == "kv_budget"]
-    assert entry.value == "vllm_patches:register"
-    assert entry.load() is vllm_patches.register
+    assert entry.value == "vllm_patches.plugin:register"
+    assert entry.load() is vllm_patches.plugin.register
 
 
 def test_production_registers_no_demo_architecture_and_leaves_the_worker_alone():
     """The demo is a plugin of its own (demo/): kv-budget's ``register``
     alone, in a fresh process, adds no architecture and wraps no worker."""
     probe = (
-        "import vllm_patches\n"
+        "import vllm_patches.plugin\n"
         "from vllm import ModelRegistry\n"
         "from vllm.v1.worker.gpu_worker import Worker\n"
-        "vllm_patches.register()\n"
+        "vllm_patches.plugin.register()\n"
         "print('KvBudgetDemoForCausalLM' in ModelRegistry.get_supported_archs(),\n"
         "      getattr(Worker.execute_model, '_kv_budget_patch', False))\n"
     )
@@ -93,9 +95,9 @@ def test_register_is_idempotent():
                 v.Executor.determine_available_memory, v.Executor.initialize_from_config)
 
     before = patched()
-    vllm_patches._registered = False  # as in a fresh process that loads the plugin again
-    vllm_patches.register()
-    vllm_patches.register()
+    vllm_patches.plugin._registered = False  # as in a fresh process that loads the plugin again
+    vllm_patches.plugin.register()
+    vllm_patches.plugin.register()
     after = patched()
     assert before == after
     assert all(getattr(fn, PATCH_MARK, False) for fn in after)

@@ -47,6 +47,13 @@ or not), and at ``record`` (after engine outputs) at most once per
 ``off``/``reserve``, or an engine that has not written yet), means nothing
 to publish and no error; a file that is not a status logs one warning.
 
+**In vLLM-Omni's driver** (:func:`patch_omni_stat_logger`). vLLM-Omni's
+orchestrator never builds vLLM's ``AsyncLLM`` and never loads
+``vllm.stat_logger_plugins``; it builds its own ``OmniPrometheusStatLogger``,
+one per driver, which relabels vLLM's ``engine`` label to ``stage`` and
+``replica``. The wrapper gives it one :class:`KvBudgetStatLogger` per stage
+and replica, refreshed as it records, labelled the same way.
+
 **Only where stats are on** (:func:`patch_async_llm`). vLLM turns stats
 on for every ``AsyncLLM`` that has a custom stat logger, even under
 ``--disable-log-stats`` ("enabling logging without default stat
@@ -256,6 +263,44 @@ def stat_logger_where_stats_are_on(original):
 def patch_async_llm(async_llm_cls) -> None:
     """The ``kv_budget:`` figures on ``/metrics`` where vLLM logs stats."""
     patch_method(async_llm_cls, "__init__", stat_logger_where_stats_are_on)
+
+
+# --- vLLM-Omni's stat logger ---------------------------------------------------
+
+def patch_omni_stat_logger(stat_logger_cls) -> None:
+    """Wrap ``OmniPrometheusStatLogger.__init__``, ``register_replica`` and
+    ``record``: one kv-budget logger per (stage, replica), refreshed when
+    vLLM-Omni records (at most once a second each)."""
+    def add(self, engine_idx: int, stage: str, replica: str) -> None:
+        staged = Stage(stage_id=int(stage), replica=int(replica))
+        self._kv_budget_loggers[engine_idx] = KvBudgetStatLogger(self.vllm_config, 0, staged)
+        self._kv_budget_loggers[engine_idx].log_engine_initialized()
+
+    def wrap_init(original):
+        def __init__(self, vllm_config, stage_replica_map):
+            original(self, vllm_config, stage_replica_map)
+            self._kv_budget_loggers = {}
+            for engine_idx, (stage, replica) in dict(stage_replica_map).items():
+                add(self, engine_idx, stage, replica)
+        return __init__
+
+    def wrap_register(original):
+        def register_replica(self, engine_idx, stage, replica):
+            original(self, engine_idx, stage, replica)
+            if engine_idx not in self._kv_budget_loggers:
+                add(self, engine_idx, stage, replica)
+        return register_replica
+
+    def wrap_record(original):
+        def record(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            for kv_budget_logger in self._kv_budget_loggers.values():
+                kv_budget_logger.record(None, None)
+        return record
+
+    patch_method(stat_logger_cls, "__init__", wrap_init)
+    patch_method(stat_logger_cls, "register_replica", wrap_register)
+    patch_method(stat_logger_cls, "record", wrap_record)
 
 
 def _warn_once(key: str, message: str, *args: Any) -> None:

@@ -36,12 +36,10 @@ API server or several), the driver reads each stage's status file and
 stops the deployment when such an override matched in no stage, naming
 every stage's declarations.
 
-**Metrics** (:func:`patch_stat_logger`). vLLM-Omni's orchestrator never
-builds vLLM's ``AsyncLLM`` and never loads ``vllm.stat_logger_plugins``;
-it builds its own ``OmniPrometheusStatLogger``, one per driver, which
-relabels vLLM's ``engine`` label to ``stage`` and ``replica``. The wrapper
-gives it one :class:`~vllm_patches.frontend.KvBudgetStatLogger` per
-stage and replica, refreshed as it records, labelled the same way.
+**Metrics** are the frontend's
+(:func:`vllm_patches.frontend.patch_omni_stat_logger`): registration
+patches vLLM-Omni's stat logger where :func:`register_omni` reports that
+vLLM-Omni runs.
 
 In the stage itself, :func:`stage_of` is the stage id and replica every
 status file, report, ledger entry and log line carries.
@@ -66,7 +64,6 @@ from typing import Any
 
 from kv_budget.plan.deploy_file import DeployError, settings_a_platform_replaces
 from kv_budget.settings import CONFIG_KEY, SETTINGS, settings_from_additional_config
-from kv_budget.stage import Stage
 from kv_budget.startup import ModelLocalKVOverrideError
 from kv_budget.watch.status import STATUS_DIR_ENV, EngineStatus, read_status, stage_status_paths
 from vllm_patches.compat.omni import check_vllm_omni, running_vllm_omni
@@ -299,57 +296,17 @@ def patch_stage_runtime(stage_runtime_cls) -> None:
     patch_method(stage_runtime_cls, "launch_stage_engines", wrap_launch)
 
 
-# --- in the driver: metrics ---------------------------------------------------------
-
-def patch_stat_logger(stat_logger_cls) -> None:
-    """Wrap ``OmniPrometheusStatLogger.__init__``, ``register_replica`` and
-    ``record``: one kv-budget logger per (stage, replica), refreshed when
-    vLLM-Omni records (at most once a second each)."""
-    from vllm_patches.frontend import KvBudgetStatLogger  # it imports vLLM's metrics: not at import time
-
-    def add(self, engine_idx: int, stage: str, replica: str) -> None:
-        staged = Stage(stage_id=int(stage), replica=int(replica))
-        self._kv_budget_loggers[engine_idx] = KvBudgetStatLogger(self.vllm_config, 0, staged)
-        self._kv_budget_loggers[engine_idx].log_engine_initialized()
-
-    def wrap_init(original):
-        def __init__(self, vllm_config, stage_replica_map):
-            original(self, vllm_config, stage_replica_map)
-            self._kv_budget_loggers = {}
-            for engine_idx, (stage, replica) in dict(stage_replica_map).items():
-                add(self, engine_idx, stage, replica)
-        return __init__
-
-    def wrap_register(original):
-        def register_replica(self, engine_idx, stage, replica):
-            original(self, engine_idx, stage, replica)
-            if engine_idx not in self._kv_budget_loggers:
-                add(self, engine_idx, stage, replica)
-        return register_replica
-
-    def wrap_record(original):
-        def record(self, *args, **kwargs):
-            original(self, *args, **kwargs)
-            for kv_budget_logger in self._kv_budget_loggers.values():
-                kv_budget_logger.record(None, None)
-        return record
-
-    patch_method(stat_logger_cls, "__init__", wrap_init)
-    patch_method(stat_logger_cls, "register_replica", wrap_register)
-    patch_method(stat_logger_cls, "record", wrap_record)
-
-
 # --- registration -----------------------------------------------------------------
 
-def register_omni() -> None:
-    """The vLLM-Omni patches, where vLLM-Omni runs (:func:`running_vllm_omni`)."""
+def register_omni() -> bool:
+    """The vLLM-Omni patches, where vLLM-Omni runs (:func:`running_vllm_omni`);
+    True where it patched, so registration patches vLLM-Omni's stat logger too."""
     if not running_vllm_omni():
-        return
+        return False
     check_vllm_omni()
     from vllm_omni.config.omni_config import VllmOmniConfig
     from vllm_omni.engine.stage_runtime import StageRuntime
-    from vllm_omni.metrics.stat_logger import OmniPrometheusStatLogger
 
     patch_config_resolution(VllmOmniConfig)
     patch_stage_runtime(StageRuntime)
-    patch_stat_logger(OmniPrometheusStatLogger)
+    return True

@@ -59,7 +59,7 @@ def _parameter_names(arguments: ast.arguments) -> tuple[str, ...]:
 class InstalledVllm:
     """The vLLM this process imports. Reads past kv-budget's own wrappers
     (``__wrapped__``), so the check means the same before and after
-    :func:`vllm_patches.register` has run."""
+    :func:`vllm_patches.plugin.register` has run."""
 
     def _class(self, module: str, cls: str) -> Any:
         try:
