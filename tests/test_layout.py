@@ -7,12 +7,13 @@ them. A module imports only its own step or earlier ones: one that must
 reach back against the flow sits in the wrong place. The vLLM glue is a
 package of its own, ``vllm_patches``, in layers (patching and compat; what
 an engine knows about itself; what runs in a worker, the flags and the chunk
-scheduling; the hooks; the vLLM-Omni driver; ``register``), with no circle
-among its modules and no glue import inside a function. Only the glue
-imports vLLM; nothing installed imports the demo, the peers' code or the
-tests; no ``_private`` name crosses a module boundary. Read from the source
-(imports inside functions count), so the test needs no vLLM. The wheel, built from a copy of the checkout, holds
-kv_budget/ and vllm_patches/ only.
+scheduling; the hooks; the vLLM-Omni driver; ``plugin``, whose
+``register`` applies them), with no circle among its modules and no glue
+import inside a function. Only the glue imports vLLM; nothing installed
+imports the demo, the peers' code or the tests; no ``_private`` name
+crosses a module boundary. Read from the source (imports inside functions
+count), so the test needs no vLLM. The wheel, built from a copy of the
+checkout, holds kv_budget/ and vllm_patches/ only.
 """
 
 from __future__ import annotations
@@ -165,16 +166,12 @@ def test_the_glue_has_no_import_circle():
 
 
 def imports_inside_functions(path: Path) -> list[tuple[str, int]]:
-    """(module, line) for every import written inside a function body."""
-    found = []
-    for function in ast.walk(ast.parse(path.read_text())):
-        if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            for node in ast.walk(function):
-                if isinstance(node, ast.Import):
-                    found.extend((alias.name, node.lineno) for alias in node.names)
-                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                    found.append((node.module, node.lineno))
-    return found
+    """(module, line) for every import written inside a function body,
+    resolved as :func:`imports_of` resolves it."""
+    lines = {node.lineno for function in ast.walk(ast.parse(path.read_text()))
+             if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef))
+             for node in ast.walk(function) if isinstance(node, (ast.Import, ast.ImportFrom))}
+    return [(module, line) for module, _, line in imports_of(path) if line in lines]
 
 
 @pytest.mark.parametrize("path", [p for p in MODULES if is_glue(module_name(p))], ids=module_name)
@@ -206,5 +203,6 @@ def test_the_wheel_carries_the_product_only(tmp_path):
     assert tops == {"kv_budget", "vllm_patches", next(top for top in tops if top.endswith(".dist-info"))}
     assert {"vllm_patches/__init__.py", "kv_budget/cli.py", "kv_budget/startup.py"} <= set(names)
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
-    assert "kv_budget = vllm_patches.plugin:register" in entry_points and "kv-budget = kv_budget.cli:main" in entry_points
+    assert "kv_budget = vllm_patches.plugin:register" in entry_points
+    assert "kv-budget = kv_budget.cli:main" in entry_points
     assert "kv_budget_demo" not in entry_points and "stat_logger_plugins" not in entry_points
