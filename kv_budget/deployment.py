@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import time
 from collections.abc import Iterator
@@ -48,6 +47,7 @@ from pydantic import BaseModel
 
 from kv_budget.errors import KvBudgetError, ModelLocalKVInfeasibleError
 from kv_budget.ledger import process_alive, this_process
+from kv_budget.log import logger
 from kv_budget.plan.deploy import SPLIT_RULE, DeviceAccount, StageBudget, plan_deploy
 from kv_budget.plan.deploy_file import DeployFile, StageDeploy
 from kv_budget.plan.planner import LedgerLine, WorkerBudget, safe_max_num_seqs
@@ -55,7 +55,6 @@ from kv_budget.runtime_files import exclusive_lock, write_atomically
 from kv_budget.settings import ModelLocalKVSettings
 from kv_budget.stage import Stage
 
-logger = logging.getLogger("vllm.kv_budget")
 
 __all__ = [
     "DEPLOYMENT_ENV",
@@ -482,7 +481,7 @@ class DeploymentPlanning:
         try:
             record = read_deployment(Path(path))
         except DeploymentError as exc:
-            logger.warning("kv-budget: %s; %s plans against its own headroom and the device ledger only",
+            logger.warning("%s; %s plans against its own headroom and the device ledger only",
                            exc, stage.label())
             return None
         return cls(Path(path), record, stage) if stage in record.planning else None

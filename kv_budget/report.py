@@ -9,11 +9,11 @@ effective value is shown as their minimum.
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 from kv_budget.declare.spec import RowDriver
 from kv_budget.deployment import StageSplit
+from kv_budget.log import logger
 from kv_budget.plan.deploy import DeployPlan, DeviceAccount, StageOnDevice, StagePlan
 from kv_budget.plan.deploy_file import GRAPH_RESERVE_BYTES
 from kv_budget.plan.planner import Charge, Decision, DeclarationLine, FailureLine, Plan, WorkerBudget
@@ -22,7 +22,6 @@ from kv_budget.settings import ModelLocalKVSettings
 from kv_budget.stage import Stage, stage_file_name
 from kv_budget.units import GiB, format_bytes
 
-logger = logging.getLogger("vllm.kv_budget")
 
 __all__ = ["render_plan_table", "render_split", "infeasible_message", "summary_line", "render_deploy_table",
            "deploy_infeasible_message", "render_reserve_table", "reserve_infeasible_message", "render_choices",
@@ -434,8 +433,8 @@ def write_report(path: str | Path, report: dict, vllm_figures: dict, stage: Stag
         staged = {"stage": stage.model_dump() if stage is not None else None}
         target.write_text(json.dumps({**report, **vllm_figures, **staged}, indent=2))
     except OSError as exc:
-        logger.warning("kv-budget: cannot write the startup plan to %s (%s: %s); the plan is in this log",
+        logger.warning("cannot write the startup plan to %s (%s: %s); the plan is in this log",
                        path, type(exc).__name__, exc)
         return False
-    logger.info("kv-budget: startup plan written to %s", path)
+    logger.info("startup plan written to %s", path)
     return True

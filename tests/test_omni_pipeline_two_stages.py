@@ -211,7 +211,7 @@ def test_each_stage_has_its_status_file_and_ledger_entry(pipeline):
 
 def test_the_log_lines_name_their_stage(pipeline):
     for stage_id in (0, 1):
-        assert pipeline.output.count(f"[stage {stage_id} replica 0] model-local KV plan: policy=cap") == 1
+        assert pipeline.output.count(f"[stage {stage_id} replica 0] kv-budget: model-local KV plan: policy=cap") == 1
         assert f"[stage {stage_id} replica 0] kv-budget: startup plan written to" in pipeline.output
 
 

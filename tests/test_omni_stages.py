@@ -22,7 +22,6 @@ from kv_budget.stage import Stage, stage_file_name
 from kv_budget.startup import ModelLocalKVOverrideError, budget_loaded_model, checked_results, engine_label
 from kv_budget.watch.metrics import METRICS, label_names, status_samples
 from kv_budget.watch.status import EngineStatus, read_status, stage_status_paths, status_path, write_status
-from vllm_patches.engine import StageLogPrefix
 from vllm_patches.omni import deployment_settings, stage_settings, unmatched_across_stages
 
 STAGE1 = Stage(stage_id=1, replica=0)
@@ -193,14 +192,6 @@ def test_the_stages_status_files_are_found_by_the_names_they_are_written_under(t
     assert set(stage_status_paths(tmp_path)) == {first, second}  # not the plain engine's
     assert stage_status_paths(tmp_path, 0, STAGE1) == [second]
     assert stage_status_paths(tmp_path, 1, STAGE1) == []
-
-
-def test_a_stages_log_lines_name_it(caplog):
-    prefix = StageLogPrefix(STAGE1)
-    record = logging.LogRecord("vllm.kv_budget", logging.INFO, __file__, 1, "kv-budget: %s", ("x",), None)
-    assert prefix.filter(record) and record.getMessage() == "[stage 1 replica 0] kv-budget: x"
-    prefix.filter(record)
-    assert record.getMessage() == "[stage 1 replica 0] kv-budget: x"  # once, however often it passes
 
 
 def test_a_platform_section_that_replaces_additional_config_is_found(tmp_path):

@@ -8,23 +8,23 @@ hook imports this module, never another hook for them.
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Any, TypeVar
 
+from kv_budget.log import label_stage
 from kv_budget.stage import Stage
 from vllm_patches.compat import checked_vllm
 
-logger = logging.getLogger("vllm.kv_budget")
-
-__all__ = ["REPLICA_ENV", "STATE_ATTRIBUTE", "StageLogPrefix", "attached_state", "lower_max_num_seqs",
-           "prefix_stage_logs", "stage_of"]
+__all__ = ["REPLICA_ENV", "STATE_ATTRIBUTE", "attached_state", "existing_state",
+           "lower_max_num_seqs", "prefix_stage_logs", "stage_of"]
 
 REPLICA_ENV = "VLLM_OMNI_REPLICA_ID"
 """Set by vLLM-Omni in each stage replica's engine-core process."""
 
 STATE_ATTRIBUTE = "_kv_budget"
-"""The one attribute kv-budget sets on a vLLM object (an engine core, an executor): its typed state there."""
+"""The one attribute kv-budget sets on a vLLM or vLLM-Omni object (an engine core, a worker, a scheduler
+config, a stage config): its typed state there. State on the object, not in a module dict keyed by
+``id()``: it goes where the object goes (a deep copy carries it) and dies with it."""
 
 State = TypeVar("State")
 
@@ -37,6 +37,18 @@ def attached_state(owner: Any, state_type: type[State]) -> State:
     if state is None:
         state = state_type()
         setattr(owner, STATE_ATTRIBUTE, state)
+    return _checked(owner, state, state_type)
+
+
+def existing_state(owner: Any, state_type: type[State]) -> State | None:
+    """kv-budget's ``state_type`` on ``owner`` where a hook attached one,
+    else None: a read that leaves objects kv-budget never touched as they
+    are."""
+    state = getattr(owner, STATE_ATTRIBUTE, None)
+    return None if state is None else _checked(owner, state, state_type)
+
+
+def _checked(owner: Any, state: Any, state_type: type[State]) -> State:
     if not isinstance(state, state_type):
         raise TypeError(f"{type(owner).__name__}.{STATE_ATTRIBUTE} holds a {type(state).__name__}, "
                         f"not kv-budget's {state_type.__name__}")
@@ -53,25 +65,12 @@ def stage_of(vllm_config: Any) -> Stage | None:
     return Stage(stage_id=int(stage_id), replica=int(os.environ.get(REPLICA_ENV) or 0))
 
 
-class StageLogPrefix(logging.Filter):
-    """Puts ``[stage S replica R]`` before every kv-budget line of a stage
-    engine core: the stages of one deployment log into one stream."""
-
-    def __init__(self, stage: Stage) -> None:
-        super().__init__()
-        self.prefix = f"[{stage.label()}] "
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if isinstance(record.msg, str) and not record.msg.startswith(self.prefix):
-            record.msg = self.prefix + record.msg
-        return True
-
-
 def prefix_stage_logs(stage: Stage | None) -> None:
-    """Install :class:`StageLogPrefix` on kv-budget's logger, once per process."""
-    if stage is None or any(isinstance(f, StageLogPrefix) for f in logger.filters):
-        return
-    logger.addFilter(StageLogPrefix(stage))
+    """Put ``[stage S replica R]`` before every kv-budget line of this
+    process (:func:`kv_budget.log.label_stage`) where it is a stage engine
+    core: the stages of one deployment log into one stream."""
+    if stage is not None:
+        label_stage(stage.label())
 
 
 def lower_max_num_seqs(scheduler_config: Any, limit: int) -> list[str]:

@@ -68,7 +68,6 @@ findings stay in the log, the report file and the status file.
 from __future__ import annotations
 
 import inspect
-import logging
 import os
 import threading
 import time
@@ -79,18 +78,17 @@ import msgspec
 from vllm.v1.engine import EngineCoreReadyResponse
 from vllm.v1.metrics.loggers import StatLoggerBase
 
+from kv_budget.log import logger
 from kv_budget.stage import Stage
 from kv_budget.watch.metrics import METRICS, label_names, status_samples
 from kv_budget.watch.status import STATUS_DIR_ENV, read_status, stage_status_paths, status_path
 from vllm_patches.engine import lower_max_num_seqs
 from vllm_patches.patching import patch_method
 
-logger = logging.getLogger("vllm.kv_budget")
 
 __all__ = [
     "REFRESH_INTERVAL_S", "KvBudgetStatLogger", "lower_frontend_max_num_seqs", "patch_async_llm",
-    "patch_ready_response",
-    "stat_logger_where_stats_are_on",
+    "patch_omni_stat_logger", "patch_ready_response", "stat_logger_where_stats_are_on",
 ]
 
 REFRESH_INTERVAL_S = 1.0
@@ -108,7 +106,7 @@ def lower_frontend_max_num_seqs(vllm_config: Any, engine_max_num_seqs: int, engi
     applied = lower_max_num_seqs(vllm_config.scheduler_config, engine_max_num_seqs)
     if not applied:
         return []
-    logger.info("kv-budget: frontend %s (engine %d's ready response)", "; ".join(applied), engine_index)
+    logger.info("frontend %s (engine %d's ready response)", "; ".join(applied), engine_index)
     return applied
 
 
@@ -132,35 +130,46 @@ def patch_ready_response(mp_client_cls) -> None:
 
 # --- the figures -----------------------------------------------------------
 
-_gauges: dict[str, Any] = {}
-_gauges_lock = threading.Lock()
-_warned: set[str] = set()
-"""What a warning was logged for in this process (a status file, a
-failed refresh): one warning each, not one per second."""
-
-
-_gauges_staged: list[bool] = []
-"""Whether this process's gauges carry vLLM-Omni's ``stage`` and
-``replica`` labels (set when they are created)."""
-
-
-def gauges(staged: bool = False) -> dict[str, Any]:
+class Gauges:
     """The process's ``kv_budget:`` gauges, created on first use, labelled
     as vLLM's series (``engine``) or, with ``staged``, as vLLM-Omni's
-    (``stage``, ``replica``). A process publishes one kind: a registry
-    holds one metric per name."""
-    from prometheus_client import Gauge
+    (``stage``, ``replica``). One table per process: a Prometheus registry
+    holds one metric per name, so a process publishes one kind."""
 
-    with _gauges_lock:
-        if not _gauges:
-            for spec in METRICS:
-                _gauges[spec.name] = Gauge(spec.name, spec.help, labelnames=label_names(spec, staged),
-                                           multiprocess_mode="mostrecent")
-            _gauges_staged.append(staged)
-        elif _gauges_staged[0] != staged:
-            raise RuntimeError("kv-budget: this process publishes both vLLM engines and vLLM-Omni stages; "
-                               "their kv_budget: series cannot share one registry")
-    return _gauges
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._table: dict[str, Any] = {}
+        self._staged: bool | None = None
+        self._warned: set[str] = set()
+
+    def table(self, staged: bool = False) -> dict[str, Any]:
+        """Metric name -> gauge, labelled for ``staged``."""
+        from prometheus_client import Gauge
+
+        with self._lock:
+            if self._staged is None:
+                for spec in METRICS:
+                    self._table[spec.name] = Gauge(spec.name, spec.help, labelnames=label_names(spec, staged),
+                                                   multiprocess_mode="mostrecent")
+                self._staged = staged
+            elif self._staged != staged:
+                raise RuntimeError("kv-budget: this process publishes both vLLM engines and vLLM-Omni stages; "
+                                   "their kv_budget: series cannot share one registry")
+        return self._table
+
+    def warn_once(self, key: str, message: str, *args: Any) -> None:
+        """Log ``message`` the first time ``key`` (a status file, a failed
+        refresh) comes up in this process: one warning each, not one per
+        second."""
+        with self._lock:
+            if key in self._warned:
+                return
+            self._warned.add(key)
+        logger.warning(message, *args)
+
+
+_gauges = Gauges()
+"""This process's gauges."""
 
 
 def served_model_name(vllm_config: Any) -> str:
@@ -183,7 +192,7 @@ class KvBudgetStatLogger(StatLoggerBase):
         self.model_name = served_model_name(vllm_config)
         self._last_refresh: float | None = None
         self._last_seen: tuple[int, int] | None = None
-        gauges(staged=stage is not None)
+        _gauges.table(staged=stage is not None)
 
     def status_file(self) -> Path | None:
         """The engine's status file. A vLLM-Omni stage's is found by its
@@ -214,11 +223,11 @@ class KvBudgetStatLogger(StatLoggerBase):
         try:
             status = read_status(path)
         except (ValueError, OSError) as exc:
-            _warn_once(str(path), "kv-budget: metrics not published: %s", exc)
+            _gauges.warn_once(str(path), "kv-budget: metrics not published: %s", exc)
             return 0
         if status is None:
             return 0
-        table = gauges(staged=self.stage is not None)
+        table = _gauges.table(staged=self.stage is not None)
         samples = status_samples(status, self.model_name)
         for sample in samples:
             table[sample.name].labels(**sample.labels).set(sample.value)
@@ -231,7 +240,7 @@ class KvBudgetStatLogger(StatLoggerBase):
         try:
             self.refresh()
         except Exception as exc:  # noqa: BLE001 - logged once, never raised into vLLM
-            _warn_once(f"refresh:{self.engine_index}", "kv-budget: metrics refresh failed: %r", exc)
+            _gauges.warn_once(f"refresh:{self.engine_index}", "kv-budget: metrics refresh failed: %r", exc)
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
         if self._last_refresh is None or time.monotonic() - self._last_refresh >= REFRESH_INTERVAL_S:
@@ -254,7 +263,7 @@ def stat_logger_where_stats_are_on(original):
         if call.arguments["log_stats"]:
             call.arguments["stat_loggers"] = [*(call.arguments.get("stat_loggers") or ()), KvBudgetStatLogger]
         else:
-            logger.info("kv-budget: stats are off (--disable-log-stats): the kv_budget: series are not "
+            logger.info("stats are off (--disable-log-stats): the kv_budget: series are not "
                         "published on /metrics; the plan and live findings stay in this log")
         original(*call.args, **call.kwargs)
     return __init__
@@ -301,9 +310,3 @@ def patch_omni_stat_logger(stat_logger_cls) -> None:
     patch_method(stat_logger_cls, "__init__", wrap_init)
     patch_method(stat_logger_cls, "register_replica", wrap_register)
     patch_method(stat_logger_cls, "record", wrap_record)
-
-
-def _warn_once(key: str, message: str, *args: Any) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        logger.warning(message, *args)

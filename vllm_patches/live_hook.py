@@ -35,13 +35,13 @@ same load with sampling off.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from kv_budget.deployment import DeploymentError, DeploymentPlanning
+from kv_budget.log import logger
 from kv_budget.plan.planner import Decision, Plan, WorkerBudget
 from kv_budget.sample.caches import HeldBytes, UnsupportedCacheError
 from kv_budget.sample.device import MemorySamplingError, ProcessPeak, sample_memory
@@ -63,8 +63,6 @@ from vllm_patches.compat import checked_vllm
 from vllm_patches.engine import attached_state, lower_max_num_seqs
 from vllm_patches.omni_chunks import count_parked_in_scheduler, parked_requests, parks_requests
 from vllm_patches.patching import patch_method
-
-logger = logging.getLogger("vllm.kv_budget")
 
 
 @dataclass
@@ -249,7 +247,7 @@ class LiveHook:
             placed = self.planning.with_live_excess(per_seq_bytes, fixed_bytes)
         except Exception as exc:  # noqa: BLE001 - DeploymentError, or a defect: the room stays as it is
             why = str(exc) if isinstance(exc, DeploymentError) else f"the re-split failed: {type(exc).__name__}: {exc}"
-            logger.warning("kv-budget: live: %s; %s keeps its current room and stops re-splitting", why,
+            logger.warning("live: %s; %s keeps its current room and stops re-splitting", why,
                            self.planning.stage.label())
             self.monitor.resplit = None
             return None
@@ -293,7 +291,7 @@ class LiveHook:
             try:
                 core.collective_rpc(start_peak_on_worker)
             except Exception as exc:  # noqa: BLE001 - the watch then reads each first peak from startup on
-                logger.warning("kv-budget: live: the workers could not start counting their peaks: %s", exc)
+                logger.warning("live: the workers could not start counting their peaks: %s", exc)
         monitor = self.monitor
         if not monitor.follows_device:
             return
@@ -301,17 +299,17 @@ class LiveHook:
         if monitor.limit < cap:
             self.limit_applied = apply_limit(core.scheduler, monitor.limit)
             logger.warning(
-                "kv-budget: live: admission starts at %d, what the default margin admits, of the startup cap %d "
+                "live: admission starts at %d, what the default margin admits, of the startup cap %d "
                 "(the operator's margin is smaller) and follows the device from the first sample, up to %d "
                 "(Scheduler.%s %d)", monitor.limit, cap, monitor.ceiling, checked_vllm().features.admission_limit,
                 self.limit_applied)
         else:
-            logger.info("kv-budget: live: admission starts at the startup cap %d and follows the device from the "
+            logger.info("live: admission starts at the startup cap %d and follows the device from the "
                         "first sample, up to %d", cap, monitor.ceiling)
 
     def _stop_step_peaks(self, why: str) -> None:
         self.monitor.step_peaks = False
-        logger.warning("kv-budget: live: in-step measurement off (caches kept between steps are still sampled): %s",
+        logger.warning("live: in-step measurement off (caches kept between steps are still sampled): %s",
                        why)
 
     def after_step(self, core: Any, outputs: Any) -> None:
@@ -349,7 +347,7 @@ class LiveHook:
         if errors:
             self.stopped = "; ".join(errors)
             logger.warning(
-                "kv-budget: live sampling stopped (the startup limit %d stays in force): %s",
+                "live sampling stopped (the startup limit %d stays in force): %s",
                 self.monitor.limit, self.stopped)
             return
         step_errors = [f"{r.label()}: {r.step_error}" for r in results if r.step_error]
@@ -369,7 +367,7 @@ class LiveHook:
             parked=parked,
         )
         for finding in update.findings:
-            logger.warning("kv-budget: live: %s", finding.message)
+            logger.warning("live: %s", finding.message)
         if self.parks_requests and (kept := self.monitor.kept_by_undeclared()):
             self.parks_requests = False  # one switch, one line
             count_parked_in_scheduler(scheduler, self.monitor.plan.policy, kept, self.stage)
@@ -380,7 +378,7 @@ class LiveHook:
             else:
                 self.limit_applied = restore_limit(scheduler, update.limit, self.monitor.ceiling)
             logger.warning(
-                "kv-budget: live: Scheduler.%s %d (live limit %d)",
+                "live: Scheduler.%s %d (live limit %d)",
                 checked_vllm().features.admission_limit, self.limit_applied, update.limit,
             )
         # What the sample cost, in CPU time (a busy machine's waits are not its cost): opening the
@@ -405,7 +403,7 @@ class LiveHook:
         try:
             write_status(self.status_dir, status)
         except OSError as exc:
-            logger.warning("kv-budget: cannot write the status file in %s (%s); /metrics will not show this "
+            logger.warning("cannot write the status file in %s (%s); /metrics will not show this "
                            "engine's figures", self.status_dir, exc)
             self.status_dir = None
 
@@ -422,13 +420,13 @@ def start_live(core: Any, vllm_config: Any, plan: Plan, settings: ModelLocalKVSe
     hook = LiveHook(core, vllm_config, plan, settings, stage, overrides, unmatched_overrides,
                     planning)  # writes the status
     if settings.sample_interval_s == 0:
-        logger.info("kv-budget: live sampling off (--model-local-kv-sample-interval 0)")
+        logger.info("live sampling off (--model-local-kv-sample-interval 0)")
         return hook
     if not any(hook.owners_by_rank.values()) and not settings.step_peaks:
         return hook
     attached_state(core, CoreState).live = hook
     logger.info(
-        "kv-budget: live sampling every %.3g s of %d declaring owner(s)%s; status in %s",
+        "live sampling every %.3g s of %d declaring owner(s)%s; status in %s",
         settings.sample_interval_s, sum(len(o) for o in hook.owners_by_rank.values()),
         ", sampled steps watched inside (--model-local-kv-step-peaks on)" if settings.step_peaks else "",
         hook.status_dir or "(no status directory: metrics off)",
@@ -453,7 +451,7 @@ class PendingSplit:
         logged = False
         while (plan := final_deployment_plan(self.deployment, self.engine)) is None:
             if not logged:
-                logger.warning("kv-budget: a request arrived before %s planned: waiting for the final split",
+                logger.warning("a request arrived before %s planned: waiting for the final split",
                                ", ".join(s.label() for s in self.deployment.split.waiting_for))
                 logged = True
             time.sleep(self.POLL_S)
@@ -461,7 +459,7 @@ class PendingSplit:
         if plan.decision is Decision.INFEASIBLE:
             # The stage that completed the record refuses on this (kv_budget.deployment.DeploymentPlanning);
             # reaching it means a stage recorded since: say so, keep what runs.
-            logger.error("kv-budget: the final deployment split leaves this stage no sequence (%s); it keeps "
+            logger.error("the final deployment split leaves this stage no sequence (%s); it keeps "
                          "max_num_seqs %d", plan.headroom_source,
                          self.live.monitor.limit if self.live else self.engine.configured_max_num_seqs)
             return
@@ -469,10 +467,10 @@ class PendingSplit:
 
             applied = apply_limit(core.scheduler, plan.effective_max_num_seqs)
             lower_max_num_seqs(core.scheduler.scheduler_config, plan.effective_max_num_seqs)
-            logger.warning("kv-budget: final deployment split: max_num_seqs %d (Scheduler.%s %d), before the first "
+            logger.warning("final deployment split: max_num_seqs %d (Scheduler.%s %d), before the first "
                            "request", plan.effective_max_num_seqs, checked_vllm().features.admission_limit, applied)
         else:
-            logger.warning("kv-budget: final deployment split: safe max_num_seqs %s (policy warn: left at %d)",
+            logger.warning("final deployment split: safe max_num_seqs %s (policy warn: left at %d)",
                            plan.safe_max_num_seqs, self.engine.configured_max_num_seqs)
         if self.live is not None:
             self.live.monitor.plan = plan

@@ -57,21 +57,22 @@ parser, so it is never affected). Every hook point is checked by
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kv_budget.log import logger
 from kv_budget.plan.deploy_file import DeployError, settings_a_platform_replaces
 from kv_budget.settings import CONFIG_KEY, SETTINGS, settings_from_additional_config
 from kv_budget.startup import ModelLocalKVOverrideError
 from kv_budget.watch.status import STATUS_DIR_ENV, EngineStatus, read_status, stage_status_paths
 from vllm_patches.compat.omni import check_vllm_omni, running_vllm_omni
+from vllm_patches.engine import attached_state, existing_state
 from vllm_patches.flags import flag_dest, merged_section
 from vllm_patches.omni_deployment import lower_driver_copies, record_deployment
 from vllm_patches.patching import patch_method
 
-logger = logging.getLogger("vllm.kv_budget")
 
 __all__ = ["deployment_settings", "register_omni", "stage_settings"]
 
@@ -123,7 +124,7 @@ def apply_to_stages(stage_configs: Any, deployment: dict) -> None:
         if not _is_llm_stage(stage_config):
             if deployment:
                 logger.warning(
-                    "kv-budget: stage %s is a diffusion stage: vLLM-Omni gives it no additional_config, so the "
+                    "stage %s is a diffusion stage: vLLM-Omni gives it no additional_config, so the "
                     "model_local_kv settings %s do not reach it (kv-budget plans LLM stages only)",
                     stage_config.stage_id, sorted(deployment))
             continue
@@ -139,10 +140,12 @@ def apply_to_stages(stage_configs: Any, deployment: dict) -> None:
         runtime.additional_config = additional
 
 
-_resolved_here: set[int] = set()
-"""id() of every stage config this process's resolver wrapper wrote
-settings into (:func:`patch_stage_runtime` tells a deployment resolved
-before the plugin loaded)."""
+@dataclass
+class ResolvedHere:
+    """kv-budget's state on a stage config this process's resolver wrapper
+    wrote settings into; a stage config without it was resolved before the
+    plugin loaded (:func:`patch_stage_runtime` warns). Its presence is the
+    fact: it has no fields."""
 
 
 def warn_platform_replacements(deploy_config_path: str | None) -> None:
@@ -162,7 +165,7 @@ def warn_platform_replacements(deploy_config_path: str | None) -> None:
         return  # vLLM-Omni read the file; a reading of ours that fails changes nothing it does
     for stage_id, keys in lost.items():
         logger.warning(
-            "kv-budget: stage %s: the deploy file's platforms.%s section sets additional_config, which replaces the "
+            "stage %s: the deploy file's platforms.%s section sets additional_config, which replaces the "
             "stage's own, so its model_local_kv settings %s do not apply on this platform; repeat them in "
             "platforms.%s.stages[stage_id=%s].additional_config.model_local_kv", stage_id, name.lower(), keys,
             name.lower(), stage_id)
@@ -177,7 +180,8 @@ def patch_config_resolution(omni_config_cls) -> None:
             warn_platform_replacements(kwargs.get("deploy_config_path"))
             config = original(cls, pipeline_cfg, *args, cli_overrides=rest, **kwargs)
             apply_to_stages(config.stage_configs, deployment)
-            _resolved_here.update(id(stage_config) for stage_config in config.stage_configs)
+            for stage_config in config.stage_configs:
+                attached_state(stage_config, ResolvedHere)
             return config
         return from_pipeline_config
 
@@ -238,7 +242,7 @@ def check_overrides_across_stages() -> None:
         raise ModelLocalKVOverrideError(refusal)
     given = sorted({text for status in statuses for text in status.overrides})
     if given:
-        logger.info("kv-budget: override(s) %s checked across %d stage(s): each matched a declaration in a stage",
+        logger.info("override(s) %s checked across %d stage(s): each matched a declaration in a stage",
                     ", ".join(map(repr, given)), len(statuses))
 
 
@@ -258,10 +262,11 @@ def patch_stage_runtime(stage_runtime_cls) -> None:
 
     def wrap_plans(original):
         def _build_logical_stage_init_plans(self, *args, **kwargs):
-            missed = [s.stage_id for s in self._stage_configs if _is_llm_stage(s) and id(s) not in _resolved_here]
+            missed = [s.stage_id for s in self._stage_configs
+                      if _is_llm_stage(s) and existing_state(s, ResolvedHere) is None]
             if missed:
                 logger.warning(
-                    "kv-budget: vLLM-Omni resolved this deployment before it loaded vLLM's general plugins, so "
+                    "vLLM-Omni resolved this deployment before it loaded vLLM's general plugins, so "
                     "kv-budget did not see it: model_local_kv_* keywords given to Omni()/AsyncOmni() were dropped, "
                     "and a global additional_config['model_local_kv'] won over stage(s) %s's own keys. Load the "
                     "plugins before the first Omni()/AsyncOmni() of the process (from vllm.plugins import "

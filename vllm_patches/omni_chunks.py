@@ -22,15 +22,14 @@ count the live monitor adds to the requests running.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from kv_budget.declare.spec import RowDriver, Scope
+from kv_budget.log import logger
 from kv_budget.plan.planner import Plan
 from kv_budget.settings import Policy
 from kv_budget.stage import Stage
 
-logger = logging.getLogger("vllm.kv_budget")
 
 PROTECTING = (Policy.CAP, Policy.RESERVE)
 """The policies whose bound is void unless every request holding caches is counted."""
@@ -74,11 +73,11 @@ def count_parked_at_startup(vllm_config: Any, plan: Plan, stage: Stage | None) -
            "scheduler counts a request parked between chunks against max_num_seqs only with "
            "retains_state_across_chunks")
     if plan.policy not in PROTECTING:
-        logger.warning("kv-budget: %s, which this stage's pipeline leaves False: requests parked between chunks "
+        logger.warning("%s, which this stage's pipeline leaves False: requests parked between chunks "
                        "are not bounded by max_num_seqs (policy %s: nothing is changed)", why, plan.policy.value)
         return
     model_config.retains_state_across_chunks = True
-    logger.warning("kv-budget: %s: retains_state_across_chunks False -> True, so max_num_seqs %d bounds every "
+    logger.warning("%s: retains_state_across_chunks False -> True, so max_num_seqs %d bounds every "
                    "request holding them", why, plan.effective_max_num_seqs)
 
 
@@ -93,11 +92,11 @@ def count_parked_in_scheduler(scheduler: Any, policy: Policy, holders: list[str]
     modules = ", ".join(repr(h or "<root>") for h in holders)
     why = f"{_who(stage)}: modules {modules} keep caches between async chunks that nobody declared"
     if policy not in PROTECTING:
-        logger.warning("kv-budget: live: %s; requests parked between chunks are not bounded by the limit "
+        logger.warning("live: %s; requests parked between chunks are not bounded by the limit "
                        "(policy %s: nothing is changed)", why, policy.value)
         return
     scheduler._retains_state_across_chunks = True
-    logger.warning("kv-budget: live: %s: the Scheduler now counts requests parked between chunks against its "
+    logger.warning("live: %s: the Scheduler now counts requests parked between chunks against its "
                    "limit (retains_state_across_chunks False -> True)", why)
 
 

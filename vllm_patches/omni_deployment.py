@@ -23,7 +23,6 @@ ledger, as engines outside a deployment do.
 from __future__ import annotations
 
 import atexit
-import logging
 import os
 from contextlib import suppress
 from pathlib import Path
@@ -39,6 +38,7 @@ from kv_budget.deployment import (
     split_max_num_seqs,
 )
 from kv_budget.ledger import default_ledger_dir, this_process
+from kv_budget.log import logger
 from kv_budget.plan.deploy_file import StageDeploy
 from kv_budget.sample.device import MemorySamplingError, sample_memory
 from kv_budget.settings import LEDGER_OFF, ModelLocalKVSettings, Policy, settings_from_additional_config
@@ -46,7 +46,6 @@ from kv_budget.stage import Stage
 from kv_budget.units import format_bytes
 from vllm_patches.engine import lower_max_num_seqs
 
-logger = logging.getLogger("vllm.kv_budget")
 
 __all__ = ["lower_driver_copies", "record_deployment"]
 
@@ -164,7 +163,7 @@ def _device_figures(stages: list[StageDeploy], settings: dict[int, ModelLocalKVS
             unknown.append(device)
     if unknown:
         logger.info(
-            "kv-budget: the size of device(s) %s cannot be measured on this platform (%s) and no headroom is "
+            "the size of device(s) %s cannot be measured on this platform (%s) and no headroom is "
             "given: the deployment is not split, and a stage that plans before the others on a device can count "
             "memory they will take. Give --model-local-kv-device-memory SIZE (or model_local_kv.device_memory_bytes)",
             unknown, getattr(current_omni_platform, "device_type", "?"))
@@ -188,7 +187,7 @@ def record_deployment(stage_plans: Any) -> Path | None:
     for plan in stage_plans:
         resolved = _stage_deploy(plan, visible)
         if resolved is None:
-            logger.info("kv-budget: stage %s's devices are not device indices: the deployment is not split; its "
+            logger.info("stage %s's devices are not device indices: the deployment is not split; its "
                         "stages plan against their own headroom and the device ledger", plan.stage_id)
             return None
         stages.append(resolved[0])
@@ -209,7 +208,7 @@ def record_deployment(stage_plans: Any) -> Path | None:
     try:
         path = create_deployment(deployment_path(Path(ledger) if ledger else default_ledger_dir()), record)
     except DeploymentError as exc:
-        logger.warning("kv-budget: %s; the deployment is not split", exc)
+        logger.warning("%s; the deployment is not split", exc)
         return None
     atexit.register(_remove, path)
     os.environ[DEPLOYMENT_ENV] = str(path)
@@ -217,7 +216,7 @@ def record_deployment(stage_plans: Any) -> Path | None:
         f"device {d}: " + (f"capacity {format_bytes(capacities[d])} [{sources[d]}]" if d in capacities else
                            f"headroom {format_bytes(headrooms[d][0])} [{headrooms[d][1]}]")
         for d in sorted(set(capacities) | set(headrooms)))
-    logger.info("kv-budget: deployment of %d stage(s) recorded in %s for its stages to split (%s); planning: %s",
+    logger.info("deployment of %d stage(s) recorded in %s for its stages to split (%s); planning: %s",
                 len(stages), path, figures, ", ".join(s.label() for s in planning))
     return path
 
@@ -246,7 +245,7 @@ def lower_driver_copies(stage_plans: Any) -> None:
             applied = lower_max_num_seqs(replica.stage_vllm_config.scheduler_config,
                                          split_max_num_seqs(record, stage))
             if applied:
-                logger.info("kv-budget: driver's copy of %s's config: %s (its final deployment split)",
+                logger.info("driver's copy of %s's config: %s (its final deployment split)",
                             stage.label(), "; ".join(applied))
 
 

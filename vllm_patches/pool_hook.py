@@ -21,11 +21,11 @@ in the engine-core process, under ``reserve`` only:
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from kv_budget.log import logger
 from kv_budget.plan.planner import WorkerBudget
 from kv_budget.plan.reserve import ReservePlan, plan_reserve, reserve_out_of_pool
 from kv_budget.report import reserve_infeasible_message
@@ -35,7 +35,6 @@ from vllm_patches.engine import attached_state, prefix_stage_logs, stage_of
 from vllm_patches.patching import patch_method
 from vllm_patches.workers import collect_budgets, this_engine, vllm_figures
 
-logger = logging.getLogger("vllm.kv_budget")
 
 @dataclass
 class PendingReservation:
@@ -103,7 +102,7 @@ def reserve_in_pool(executor: Any, available: list[int], settings: ModelLocalKVS
         ("--model-local-kv-headroom", settings.headroom_bytes), ("--model-local-kv-margin", settings.margin_bytes),
         ("--model-local-kv-share", settings.share_bytes)) if value is not None]
     if ignored:
-        logger.warning("kv-budget: %s bound a headroom outside the pool; policy reserve has none: ignored",
+        logger.warning("%s bound a headroom outside the pool; policy reserve has none: ignored",
                        ", ".join(ignored))
     start = time.perf_counter()
     results = collect_budgets(executor, vllm_config, settings, sample=False)
@@ -144,14 +143,14 @@ def confirm_reservation(executor: Any, kv_cache_configs: list[Any]) -> None:
     )
     if (confirmed.num_blocks_after, confirmed.num_blocks_before) != (plan.num_blocks_after, plan.num_blocks_before):
         logger.warning(
-            "kv-budget: vLLM sized the pool at %d blocks of %d B; predicted from the layers' page sizes: "
+            "vLLM sized the pool at %d blocks of %d B; predicted from the layers' page sizes: "
             "%d blocks of %d B (before the reservation: %d vs %d)", blocks_after, block_bytes[0],
             plan.num_blocks_after, plan.reservations[0].block_bytes, confirmed.num_blocks_before,
             plan.num_blocks_before,
         )
     if confirmed.num_blocks_after != blocks_after:
         logger.warning(
-            "kv-budget: vLLM allocated %d blocks, not the %d the reduced pool holds "
+            "vLLM allocated %d blocks, not the %d the reduced pool holds "
             "(num_gpu_blocks_override?)", blocks_after, confirmed.num_blocks_after,
         )
         confirmed = confirmed.model_copy(update={

@@ -29,11 +29,12 @@ refuses to start rather than report a cap that does nothing.
 
 from __future__ import annotations
 
-import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from kv_budget.deployment import DeploymentPlanning
+from kv_budget.log import logger
 from kv_budget.plan.planner import Decision, Plan
 from kv_budget.plan.reserve import watch_plan
 from kv_budget.report import summary_line
@@ -52,14 +53,12 @@ from vllm_patches.compat import (
     scheduler_cap_problem,
     scheduler_class_problem,
 )
-from vllm_patches.engine import attached_state, lower_max_num_seqs, prefix_stage_logs, stage_of
+from vllm_patches.engine import attached_state, existing_state, lower_max_num_seqs, prefix_stage_logs, stage_of
 from vllm_patches.live_hook import CoreState, PendingSplit, start_live
 from vllm_patches.omni_chunks import count_parked_at_startup
 from vllm_patches.patching import patch_method
 from vllm_patches.pool_hook import reservation_to_watch, reserved_in_pool
 from vllm_patches.workers import collect_budgets, this_engine, vllm_figures
-
-logger = logging.getLogger("vllm.kv_budget")
 
 
 def plan_after_kv_caches(core: Any, vllm_config: Any) -> Plan | None:
@@ -69,7 +68,7 @@ def plan_after_kv_caches(core: Any, vllm_config: Any) -> Plan | None:
     stage = stage_of(vllm_config)
     prefix_stage_logs(stage)
     if stage is None and settings.device_memory_bytes is not None:
-        logger.warning("kv-budget: device_memory_bytes (--model-local-kv-device-memory) applies to vLLM-Omni "
+        logger.warning("device_memory_bytes (--model-local-kv-device-memory) applies to vLLM-Omni "
                        "deployments only; this plain vLLM engine ignores it")
     if settings.policy is Policy.OFF:
         return None
@@ -89,7 +88,7 @@ def plan_after_kv_caches(core: Any, vllm_config: Any) -> Plan | None:
     if scheduler_problem and settings.policy is Policy.CAP:
         raise UnsupportedVllmError(f"kv-budget cannot cap this engine: {scheduler_problem}")
     if scheduler_problem:
-        logger.warning("kv-budget: %s (policy warn: nothing is changed)", scheduler_problem)
+        logger.warning("%s (policy warn: nothing is changed)", scheduler_problem)
     configured = scheduler_config.max_num_seqs
     start = time.perf_counter()
     try:
@@ -128,7 +127,7 @@ def refuse_reserve_without_pool(core: Any, vllm_config: Any, settings: Any, stag
     results = collect_budgets(core, vllm_config, settings, sample=False)
     who = stage.label() if stage is not None else "this engine"
     if not any(r.declarations for r in results):
-        logger.info("kv-budget: %s has no paged KV pool and declares no model-local KV: policy reserve has "
+        logger.info("%s has no paged KV pool and declares no model-local KV: policy reserve has "
                     "nothing to do", who)
         return
     raise ModelLocalKVInfeasibleError(
@@ -141,9 +140,9 @@ def refuse_reserve_without_pool(core: Any, vllm_config: Any, settings: Any, stag
 def _apply_cap(scheduler_config: Any, plan: Plan) -> None:
     """Lower the config to the plan's cap, for the Scheduler built next to confirm."""
     applied = lower_max_num_seqs(scheduler_config, plan.effective_max_num_seqs)
-    _caps_awaiting_scheduler[id(scheduler_config)] = plan.effective_max_num_seqs
+    attached_state(scheduler_config, CapAwaitingScheduler).cap = plan.effective_max_num_seqs
     logger.warning("%s", summary_line(plan))
-    logger.info("kv-budget: scheduler_config %s", "; ".join(applied))
+    logger.info("scheduler_config %s", "; ".join(applied))
 
 
 def patch_engine_core(engine_core_cls) -> None:
@@ -160,9 +159,12 @@ def patch_engine_core(engine_core_cls) -> None:
     patch_method(engine_core_cls, "_initialize_kv_caches", wrap)
 
 
-_caps_awaiting_scheduler: dict[int, int] = {}
-"""id(scheduler_config) -> the cap set on it, until the Scheduler built
-from that config confirms it took the cap."""
+@dataclass
+class CapAwaitingScheduler:
+    """kv-budget's state on a scheduler config it lowered."""
+
+    cap: int | None = None
+    """The cap set on the config, until the Scheduler built from it confirms it took the cap."""
 
 
 def patch_scheduler(scheduler_cls) -> None:
@@ -173,14 +175,15 @@ def patch_scheduler(scheduler_cls) -> None:
     def wrap(original):
         def __init__(self, *args, **kwargs):
             original(self, *args, **kwargs)
-            cap = _caps_awaiting_scheduler.pop(id(self.scheduler_config), None)
-            if cap is None:
+            awaiting = existing_state(self.scheduler_config, CapAwaitingScheduler)
+            if awaiting is None or awaiting.cap is None:
                 return
+            cap, awaiting.cap = awaiting.cap, None
             problem = scheduler_cap_problem(type(self).__qualname__, self.max_num_running_reqs, cap)
             if problem:
                 raise UnsupportedVllmError(f"kv-budget: {problem}")
             logger.info(
-                "kv-budget: Scheduler built (class %s) with max_num_running_reqs %d, the cap",
+                "Scheduler built (class %s) with max_num_running_reqs %d, the cap",
                 type(self).__qualname__, self.max_num_running_reqs,
             )
         return __init__

@@ -17,16 +17,14 @@ rather than plan on a model that holds nothing.
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Any
 
+from kv_budget.log import logger
 from kv_budget.settings import ModelLocalKVSettings
 from kv_budget.startup import WorkerResult, budget_loaded_model, checked_results, engine_label, worker_result
 from vllm_patches.compat import checked_vllm, model_runner_v2_problem, runs_model_runner_v2
 from vllm_patches.engine import stage_of
-
-logger = logging.getLogger("vllm.kv_budget")
 
 
 def budget_on_worker(worker: Any, settings: dict, configured_max_num_seqs: int, sharers: int,
@@ -40,7 +38,7 @@ def budget_on_worker(worker: Any, settings: dict, configured_max_num_seqs: int, 
         return worker_result(worker.rank, problem)
     runner = getattr(worker, "model_runner", None)
     if runner is not None and runs_model_runner_v2(runner):
-        logger.info("kv-budget: rank %d runs vLLM's Model Runner V2 (%s); planning on worker.model_runner.model (%s)",
+        logger.info("rank %d runs vLLM's Model Runner V2 (%s); planning on worker.model_runner.model (%s)",
                     worker.rank, type(runner).__qualname__, type(runner.model).__qualname__)
     device = worker.device
     return budget_loaded_model(worker.model_runner.model, worker.rank, (device.type, device.index or 0), settings,

@@ -13,7 +13,6 @@ declarer's bug: reporting must never break model load.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import threading
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -23,9 +22,8 @@ from typing import Any
 import torch
 
 from kv_budget.declare.spec import InvalidDeclarationError, ModelLocalKVSpec, normalize_spec
+from kv_budget.log import logger
 
-logger = logging.getLogger("vllm.kv_budget")
-"""vLLM's own logger hierarchy: kv-budget's lines take vLLM's format in every process."""
 
 __all__ = [
     "OwnedSpec",
@@ -176,18 +174,18 @@ def _ask_owner(path: str, module: Any) -> tuple[list[OwnedSpec], list[DeclarerFa
         # that too is this owner's failure, not the engine's.
         declarer = getattr(module, _DECLARER, None)
     except Exception as exc:  # noqa: BLE001 - see above
-        logger.warning("kv-budget: model_local_kv_specs of %s could not be read: %r; skipped", label, exc)
+        logger.warning("model_local_kv_specs of %s could not be read: %r; skipped", label, exc)
         return [], [DeclarerFailure(path, f"reading model_local_kv_specs raised {type(exc).__name__}: {exc}")]
     if not callable(declarer):
         return [], []
     try:
         declared = declarer()
     except Exception as exc:  # noqa: BLE001 - any declarer bug is reported, not raised
-        logger.warning("kv-budget: model_local_kv_specs() of %s raised %r; skipped", label, exc)
+        logger.warning("model_local_kv_specs() of %s raised %r; skipped", label, exc)
         return [], [DeclarerFailure(path, f"raised {type(exc).__name__}: {exc}")]
     if declared is None or isinstance(declared, (str, bytes)) or not isinstance(declared, Iterable):
         message = f"returned {type(declared).__name__}, expected a sequence of declarations"
-        logger.warning("kv-budget: model_local_kv_specs() of %s %s; skipped", label, message)
+        logger.warning("model_local_kv_specs() of %s %s; skipped", label, message)
         return [], [DeclarerFailure(path, message)]
     specs: list[OwnedSpec] = []
     failures: list[DeclarerFailure] = []
@@ -196,10 +194,10 @@ def _ask_owner(path: str, module: Any) -> tuple[list[OwnedSpec], list[DeclarerFa
             try:
                 specs.append(OwnedSpec(path, normalize_spec(item)))
             except (InvalidDeclarationError, TypeError) as exc:
-                logger.warning("kv-budget: declaration from %s is invalid: %s; skipped", label, exc)
+                logger.warning("declaration from %s is invalid: %s; skipped", label, exc)
                 failures.append(DeclarerFailure(path, f"invalid declaration: {exc}"))
     except Exception as exc:  # noqa: BLE001 - a generator that raises part-way
-        logger.warning("kv-budget: iterating the declarations of %s raised %r; the rest skipped", label, exc)
+        logger.warning("iterating the declarations of %s raised %r; the rest skipped", label, exc)
         failures.append(DeclarerFailure(path, f"iterating its declarations raised {type(exc).__name__}: {exc}"))
     return specs, failures
 
@@ -264,7 +262,7 @@ def _distinct_names(specs: list[OwnedSpec]) -> list[OwnedSpec]:
                 number += 1
             renamed = f"{owned.spec.name}#{number}"
             taken.add((owned.owner, renamed))
-            logger.warning("kv-budget: %s declares %r more than once; this one is planned and reported as %r",
+            logger.warning("%s declares %r more than once; this one is planned and reported as %r",
                            owned.owner or "<root>", owned.spec.name, renamed)
             owned = dataclasses.replace(owned, spec=dataclasses.replace(owned.spec, name=renamed))
         distinct.append(owned)
@@ -309,7 +307,7 @@ def collect_model_local_kv_specs(model: Any, time_limit_s: float | None = COLLEC
                                   f"waiting for {slow or '<root>'}")
             for path, _ in owners[asking + 1:]
         )
-        logger.warning("kv-budget: model_local_kv_specs() of %s did not return within %g s; it and %d owner(s) "
+        logger.warning("model_local_kv_specs() of %s did not return within %g s; it and %d owner(s) "
                        "not asked yet are recorded as failures",
                        slow or "<root>", time_limit_s, len(owners) - asking - 1)
     return Collection(tuple(_distinct_names(specs)), tuple(failures))

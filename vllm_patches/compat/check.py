@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from kv_budget.log import logger
 from vllm_patches.compat.hook_points import VllmFeatures, detect_features, hook_point_problems
 from vllm_patches.compat.source import InstalledVllm, VllmSource
 from vllm_patches.compat.support import UnsupportedVllmError, support_of, supported_summary
 
-logger = logging.getLogger("vllm.kv_budget")
 
 __all__ = ["CheckedVllm", "vllm_version", "vllm_distribution", "check_vllm", "checked_vllm"]
 
