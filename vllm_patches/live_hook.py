@@ -1,7 +1,7 @@
 """Live sampling in a serving engine: measure, compare, correct, publish.
 
-After the startup plan (:mod:`.startup_hook`), an engine under ``cap`` or
-``warn`` gets a :class:`LiveHook`. ``EngineCore.step`` and
+After the startup plan (:mod:`.startup_hook`), an engine under ``cap``,
+``warn`` or ``reserve`` gets a :class:`LiveHook`. ``EngineCore.step`` and
 ``step_with_batch_queue`` are wrapped: after each step the hook counts the
 requests that completed and, every ``sample_interval_s`` (and once more
 when the engine goes idle, which is when a leak shows), asks every worker
@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kv_budget.deployment import DeploymentError, DeploymentPlanning
@@ -46,8 +46,7 @@ from kv_budget.plan.planner import Decision, Plan, WorkerBudget
 from kv_budget.sample.caches import HeldBytes, UnsupportedCacheError
 from kv_budget.sample.device import MemorySamplingError, ProcessPeak, sample_memory
 from kv_budget.sample.in_step import InStepTracker
-from kv_budget.settings import LEDGER_OFF, ModelLocalKVSettings, Policy
-from kv_budget.stage import Stage
+from kv_budget.settings import LEDGER_OFF, Policy
 from kv_budget.startup import EngineContext, final_deployment_plan
 from kv_budget.watch.live import (
     WATCHED_POLICIES,
@@ -200,20 +199,34 @@ def restore_limit(scheduler: Any, limit: int, ceiling: int) -> int:
     return getattr(scheduler, attribute)
 
 
+@dataclass
+class LiveStart:
+    """What the startup plan hands live sampling, as one: the plan, the
+    engine it was made for, and what the status file reports beside it."""
+
+    plan: Plan
+    engine: EngineContext
+    overrides: list[str] = field(default_factory=list)
+    """The overrides that applied here, as the workers filtered them for the stage."""
+    unmatched_overrides: list[str] = field(default_factory=list)
+    """Overrides that matched no declaration on any worker (checked across stages by the driver)."""
+    planning: DeploymentPlanning | None = None
+    """This stage's side of its vLLM-Omni deployment; None in plain vLLM and under ``reserve``."""
+
+
 class LiveHook:
     """One engine core's live sampling, between its steps."""
 
-    def __init__(self, core: Any, vllm_config: Any, plan: Plan, settings: ModelLocalKVSettings,
-                 stage: Stage | None = None, overrides: list[str] | None = None,
-                 unmatched_overrides: list[str] | None = None, planning: DeploymentPlanning | None = None) -> None:
+    def __init__(self, core: Any, vllm_config: Any, start: LiveStart) -> None:
+        plan, settings, planning = start.plan, start.engine.settings, start.planning
         self.planning = planning
         self.monitor = LiveMonitor(plan, settings.sample_interval_s, settings.step_peaks,
                                    self._resplit if planning is not None else None,
                                    past_startup_cap=settings.ledger_dir == LEDGER_OFF)
-        self.stage = stage
-        self.overrides = list(overrides or [])
+        self.stage = start.engine.stage
+        self.overrides = list(start.overrides)
         """The overrides that applied here, as the workers filtered them for the stage."""
-        self.unmatched_overrides = list(unmatched_overrides or [])
+        self.unmatched_overrides = list(start.unmatched_overrides)
         self.owners_by_rank = {
             worker.rank: list(dict.fromkeys(line.owner for line in worker.declarations)) for worker in plan.workers
         }
@@ -408,17 +421,15 @@ class LiveHook:
             self.status_dir = None
 
 
-def start_live(core: Any, vllm_config: Any, plan: Plan, settings: ModelLocalKVSettings, stage: Stage | None = None,
-               overrides: list[str] | None = None, unmatched_overrides: list[str] | None = None,
-               planning: DeploymentPlanning | None = None) -> LiveHook | None:
+def start_live(core: Any, vllm_config: Any, start: LiveStart) -> LiveHook | None:
     """Attach a :class:`LiveHook` to ``core`` (policy cap, warn or reserve:
     :data:`~kv_budget.watch.live.WATCHED_POLICIES`, sampling on), or only
     publish the startup plan when sampling is off or nothing is declared;
     return it (None under ``off``)."""
-    if plan.policy not in WATCHED_POLICIES:
+    if start.plan.policy not in WATCHED_POLICIES:
         return None
-    hook = LiveHook(core, vllm_config, plan, settings, stage, overrides, unmatched_overrides,
-                    planning)  # writes the status
+    settings = start.engine.settings
+    hook = LiveHook(core, vllm_config, start)  # writes the status
     if settings.sample_interval_s == 0:
         logger.info("live sampling off (--model-local-kv-sample-interval 0)")
         return hook

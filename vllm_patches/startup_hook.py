@@ -38,7 +38,7 @@ from kv_budget.log import logger
 from kv_budget.plan.planner import Decision, Plan
 from kv_budget.plan.reserve import watch_plan
 from kv_budget.report import summary_line
-from kv_budget.settings import Policy, settings_from_additional_config
+from kv_budget.settings import ModelLocalKVSettings, Policy, settings_from_additional_config
 from kv_budget.stage import Stage
 from kv_budget.startup import (
     EngineContext,
@@ -54,7 +54,7 @@ from vllm_patches.compat import (
     scheduler_class_problem,
 )
 from vllm_patches.engine import attached_state, existing_state, lower_max_num_seqs, prefix_stage_logs, stage_of
-from vllm_patches.live_hook import CoreState, PendingSplit, start_live
+from vllm_patches.live_hook import CoreState, LiveStart, PendingSplit, start_live
 from vllm_patches.omni_chunks import count_parked_at_startup
 from vllm_patches.patching import patch_method
 from vllm_patches.pool_hook import reservation_to_watch, reserved_in_pool
@@ -80,7 +80,8 @@ def plan_after_kv_caches(core: Any, vllm_config: Any) -> Plan | None:
         if watched is not None:  # reserve acted on the pool already (pool_hook); watch what it reserved
             plan = watch_plan(watched.plan, watched.workers)
             count_parked_at_startup(vllm_config, plan, stage)
-            start_live(core, vllm_config, plan, settings, stage, watched.overrides)
+            engine = _engine_context(vllm_config, settings, vllm_config.scheduler_config.max_num_seqs, stage)
+            start_live(core, vllm_config, LiveStart(plan, engine, watched.overrides))
         return None
     require_no_scheduler_yet(core)
     scheduler_config = vllm_config.scheduler_config
@@ -100,8 +101,7 @@ def plan_after_kv_caches(core: Any, vllm_config: Any) -> Plan | None:
                        "max_num_seqs left at %d", "; ".join(exc.failures), configured)
         return None
     deployment = DeploymentPlanning.of_this_process(stage)
-    label = this_engine(vllm_config)
-    engine = EngineContext(settings, configured, label, vllm_figures(), stage)
+    engine = _engine_context(vllm_config, settings, configured, stage)
     plan = plan_startup(results, engine, start, deployment)
     if plan is None:
         return None
@@ -111,11 +111,16 @@ def plan_after_kv_caches(core: Any, vllm_config: Any) -> Plan | None:
     elif plan.decision is Decision.WARNED:
         logger.warning("%s", summary_line(plan))
     split = deployment.split if deployment is not None else None
-    live = start_live(core, vllm_config, plan, settings, stage, results[0].overrides,
-                      unmatched_on_every_worker(results), deployment)
+    live = start_live(core, vllm_config,
+                      LiveStart(plan, engine, results[0].overrides, unmatched_on_every_worker(results), deployment))
     if split is not None and not split.final:
         attached_state(core, CoreState).pending_split = PendingSplit(deployment, engine, live)
     return plan
+
+
+def _engine_context(vllm_config: Any, settings: ModelLocalKVSettings, configured: int, stage: Stage | None) -> EngineContext:
+    """What the startup flow and live sampling know of this engine, gathered once."""
+    return EngineContext(settings, configured, this_engine(vllm_config), vllm_figures(), stage)
 
 
 def refuse_reserve_without_pool(core: Any, vllm_config: Any, settings: Any, stage: Stage | None) -> None:
