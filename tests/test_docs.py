@@ -80,3 +80,13 @@ def test_every_test_the_testing_index_names_exists():
         if f"def {name}(" not in source and f"class {name}" not in source:
             missing.append(f"{current}::{name}")
     assert len(re.findall(r"::\w+", index)) > 40 and not missing, missing
+
+
+def test_every_test_file_the_testing_index_names_exists_and_every_file_is_indexed():
+    """The part index in docs/testing.md names test files; each exists, and
+    no test file of the suite is missing from it."""
+    text = (README.parent / "docs" / "testing.md").read_text()
+    index = text[text.index("## Where each part is tested"):text.index("## Where each fault is tested")]
+    named = set(re.findall(r"`(test_\w+\.py)`", index))
+    files = {path.name for path in (README.parent / "tests").glob("test_*.py")}
+    assert sorted(named - files) == [] and sorted(files - named) == []
