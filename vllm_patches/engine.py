@@ -1,5 +1,6 @@
 """What an engine knows about itself: which vLLM-Omni stage it is (if any),
-its log prefix, and how its ``max_num_seqs`` is lowered.
+its log prefix, how its ``max_num_seqs`` is lowered, and whether vLLM
+sized its paged pool without profiling.
 
 Every hook (startup, pool, live, the frontend's copy of the limit, the
 vLLM-Omni driver's copies) needs these, so they sit below all of them: a
@@ -9,17 +10,25 @@ hook imports this module, never another hook for them.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kv_budget.log import label_stage
 from kv_budget.stage import Stage
+from kv_budget.units import GiB
 from vllm_patches.compat import checked_vllm
 
-__all__ = ["REPLICA_ENV", "STATE_ATTRIBUTE", "attached_state", "existing_state",
-           "lower_max_num_seqs", "prefix_stage_logs", "stage_of"]
+__all__ = ["REPLICA_ENV", "CPU_POOL_ENV", "SCALE_UP_ENV", "STATE_ATTRIBUTE", "attached_state", "existing_state",
+           "lower_max_num_seqs", "prefix_stage_logs", "stage_of", "UnprofiledPool", "unprofiled_pool"]
 
 REPLICA_ENV = "VLLM_OMNI_REPLICA_ID"
 """Set by vLLM-Omni in each stage replica's engine-core process."""
+
+CPU_POOL_ENV = "VLLM_CPU_KVCACHE_SPACE"
+"""GiB; vLLM's CPU platform copies it into ``cache_config.kv_cache_memory_bytes``, over the flag."""
+
+SCALE_UP_ENV = "VLLM_ELASTIC_EP_SCALE_UP_LAUNCH"
+"""Set on an engine core vLLM launches to join a running elastic-EP deployment."""
 
 STATE_ATTRIBUTE = "_kv_budget"
 """The one attribute kv-budget sets on a vLLM or vLLM-Omni object (an engine core, a worker, a scheduler
@@ -91,3 +100,33 @@ def lower_max_num_seqs(scheduler_config: Any, limit: int) -> list[str]:
             scheduler_config.max_num_active_seqs = limit
             applied.append(f"max_num_active_seqs {active} -> {limit}")
     return applied
+
+
+@dataclass(frozen=True)
+class UnprofiledPool:
+    """How vLLM sized an engine's paged pool without profiling its memory.
+    kv-budget measures the headroom after the pool is allocated on every
+    path, so ``cap`` plans the same; ``reserve`` takes its bytes out of the
+    figure vLLM hands the executor, and on one path it hands none."""
+
+    why: str
+    """In words, for the log and the plan's pool source."""
+    asks_executor: bool
+    """Whether vLLM still asks the executor for the pool figure (a pinned
+    size: it returns that size, and ``reserve`` carves it); the elastic-EP
+    scale-up launch does not (``EngineCore`` reuses the running ranks' figure)."""
+
+
+def unprofiled_pool(vllm_config: Any) -> UnprofiledPool | None:
+    """How vLLM sized this engine's pool without profiling; None where it profiled."""
+    import vllm.envs
+
+    if getattr(vllm.envs, SCALE_UP_ENV, False):  # vLLM's own parse of it, as EngineCore reads it
+        return UnprofiledPool(f"the elastic-EP scale-up launch ({SCALE_UP_ENV}) reuses the running ranks' pool "
+                              "figure", asks_executor=False)
+    pinned = getattr(vllm_config.cache_config, "kv_cache_memory_bytes", None)
+    if not pinned:
+        return None
+    space = os.environ.get(CPU_POOL_ENV, "")
+    by = CPU_POOL_ENV if space.isdigit() and int(space) * GiB == pinned else "--kv-cache-memory-bytes"
+    return UnprofiledPool(f"pinned at {pinned:,} B by {by}", asks_executor=True)

@@ -27,11 +27,11 @@ from typing import Any
 
 from kv_budget.log import logger
 from kv_budget.plan.planner import WorkerBudget
-from kv_budget.plan.reserve import ReservePlan, plan_reserve, reserve_out_of_pool
+from kv_budget.plan.reserve import POOL_SOURCE, ReservePlan, plan_reserve, reserve_out_of_pool
 from kv_budget.report import reserve_infeasible_message
 from kv_budget.settings import ModelLocalKVSettings, Policy, settings_from_additional_config
 from kv_budget.startup import ModelLocalKVInfeasibleError, record_in_ledger, report_reserve
-from vllm_patches.engine import attached_state, prefix_stage_logs, stage_of
+from vllm_patches.engine import attached_state, prefix_stage_logs, stage_of, unprofiled_pool
 from vllm_patches.patching import patch_method
 from vllm_patches.workers import collect_budgets, this_engine, vllm_figures
 
@@ -112,11 +112,17 @@ def reserve_in_pool(executor: Any, available: list[int], settings: ModelLocalKVS
         reserve_out_of_pool(worker, configured, pool, block, sequence)
         for worker, pool, (block, sequence) in zip(workers, available, _kv_layer_figures(executor, vllm_config))
     ]
-    plan = plan_reserve(reservations, configured, vllm_config.model_config.max_model_len)
+    unprofiled = unprofiled_pool(vllm_config)
+    plan = plan_reserve(reservations, configured, vllm_config.model_config.max_model_len,
+                        f"{POOL_SOURCE}, {unprofiled.why}" if unprofiled else POOL_SOURCE)
     binding = next(w for w in workers if w.rank == plan.binding_rank)
     if not plan.feasible:
         report_reserve(plan, binding, settings, time.perf_counter() - start, vllm_figures(), stage_of(vllm_config))
         raise ModelLocalKVInfeasibleError(reserve_infeasible_message(plan))
+    if unprofiled:
+        logger.warning("policy reserve takes %s B out of the paged pool %s: vLLM allocates %s B for it on "
+                       "rank %d", f"{plan.reserved_bytes:,}", unprofiled.why, f"{plan.kv_pool_bytes_after:,}",
+                       plan.binding_rank)
     record_in_ledger(settings, [r.device for r in results], [r.reserved_bytes for r in plan.reservations],
                      this_engine(vllm_config))
     state = attached_state(executor, ExecutorState)

@@ -53,7 +53,15 @@ from vllm_patches.compat import (
     scheduler_cap_problem,
     scheduler_class_problem,
 )
-from vllm_patches.engine import attached_state, existing_state, lower_max_num_seqs, prefix_stage_logs, stage_of
+from vllm_patches.engine import (
+    attached_state,
+    existing_state,
+    lower_max_num_seqs,
+    prefix_stage_logs,
+    stage_of,
+    UnprofiledPool,
+    unprofiled_pool,
+)
 from vllm_patches.live_hook import CoreState, LiveStart, PendingSplit, start_live
 from vllm_patches.omni_chunks import count_parked_at_startup
 from vllm_patches.patching import patch_method
@@ -72,9 +80,10 @@ def plan_after_kv_caches(core: Any, vllm_config: Any) -> Plan | None:
                        "deployments only; this plain vLLM engine ignores it")
     if settings.policy is Policy.OFF:
         return None
+    unprofiled = unprofiled_pool(vllm_config)
     if settings.policy is Policy.RESERVE:
         if not reserved_in_pool(core.model_executor):
-            refuse_reserve_without_pool(core, vllm_config, settings, stage)
+            refuse_reserve_without_pool(core, vllm_config, settings, stage, unprofiled)
             return None
         watched = reservation_to_watch(core.model_executor)
         if watched is not None:  # reserve acted on the pool already (pool_hook); watch what it reserved
@@ -90,6 +99,9 @@ def plan_after_kv_caches(core: Any, vllm_config: Any) -> Plan | None:
         raise UnsupportedVllmError(f"kv-budget cannot cap this engine: {scheduler_problem}")
     if scheduler_problem:
         logger.warning("%s (policy warn: nothing is changed)", scheduler_problem)
+    if unprofiled is not None:
+        logger.info("vLLM did not profile this engine's memory (%s); the headroom is measured after its pool "
+                    "was allocated, as on every path", unprofiled.why)
     configured = scheduler_config.max_num_seqs
     start = time.perf_counter()
     try:
@@ -123,23 +135,36 @@ def _engine_context(vllm_config: Any, settings: ModelLocalKVSettings, configured
     return EngineContext(settings, configured, this_engine(vllm_config), vllm_figures(), stage)
 
 
-def refuse_reserve_without_pool(core: Any, vllm_config: Any, settings: Any, stage: Stage | None) -> None:
-    """Policy ``reserve`` on an engine vLLM gave no paged KV pool (no
-    attention layer: vLLM never asks the executor for a pool figure, so the
-    pool hook never ran). With declarations, refuse in one line: nothing
-    can be taken out of a pool that does not exist, and switching policy
-    in silence is a guess. With none, one line and nothing to do."""
+def refuse_reserve_without_pool(core: Any, vllm_config: Any, settings: ModelLocalKVSettings, stage: Stage | None,
+                                unprofiled: UnprofiledPool | None) -> None:
+    """Policy ``reserve`` where vLLM never asked the executor for a pool
+    figure, so the pool hook never ran: an engine without a paged KV pool
+    (no attention layer), or the elastic-EP scale-up launch (``unprofiled``
+    says so), which reuses the running ranks' figure. With declarations,
+    refuse in one line: nothing can be taken out of a figure kv-budget is
+    never handed, and switching policy in silence is a guess. With none,
+    one line and nothing to do."""
     results = collect_budgets(core, vllm_config, settings, sample=False)
     who = stage.label() if stage is not None else "this engine"
+    why = no_pool_figure(unprofiled)
     if not any(r.declarations for r in results):
-        logger.info("%s has no paged KV pool and declares no model-local KV: policy reserve has "
-                    "nothing to do", who)
+        logger.info("%s declares no model-local KV and %s: policy reserve has nothing to do", who, why)
         return
     raise ModelLocalKVInfeasibleError(
-        f"kv-budget: policy reserve cannot protect {who} (model {vllm_config.model_config.model}): it has no paged "
-        f"KV pool to take its model-local KV ({', '.join(results[0].declarations)}) out of; use policy cap for "
-        "it (--model-local-kv-policy cap, or in vLLM-Omni that stage's additional_config.model_local_kv.policy: cap)"
+        f"kv-budget: policy reserve cannot protect {who} (model {vllm_config.model_config.model}): {why} to take "
+        f"its model-local KV ({', '.join(results[0].declarations)}) out of; use policy cap for it "
+        "(--model-local-kv-policy cap, or in vLLM-Omni that stage's additional_config.model_local_kv.policy: cap), "
+        "which measures the device after the pool is allocated"
     )
+
+
+def no_pool_figure(unprofiled: UnprofiledPool | None) -> str:
+    """Why the pool hook was never handed a pool figure: the elastic-EP
+    scale-up launch where ``unprofiled`` says vLLM did not ask the
+    executor, else an engine without a paged KV pool."""
+    if unprofiled is not None and not unprofiled.asks_executor:
+        return f"{unprofiled.why}, so vLLM never hands kv-budget a pool figure"
+    return "it has no paged KV pool"
 
 
 def _apply_cap(scheduler_config: Any, plan: Plan) -> None:

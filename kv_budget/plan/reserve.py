@@ -37,7 +37,7 @@ from pydantic import BaseModel
 from kv_budget.plan.planner import Headroom, Plan, WorkerBudget, make_plan, safe_max_num_seqs
 from kv_budget.settings import Policy
 
-__all__ = ["PoolReservation", "ReservePlan", "reserve_out_of_pool", "plan_reserve", "watch_plan"]
+__all__ = ["PoolReservation", "ReservePlan", "POOL_SOURCE", "reserve_out_of_pool", "plan_reserve", "watch_plan"]
 
 
 class PoolReservation(BaseModel):
@@ -70,6 +70,10 @@ class PoolReservation(BaseModel):
     @property
     def num_blocks_after(self) -> int:
         return max(self.pool_bytes_after, 0) // self.block_bytes
+
+
+POOL_SOURCE = "vLLM's determine_available_memory"
+"""Where an engine's pool figure comes from: the executor's answer, which vLLM profiled."""
 
 
 def reserve_out_of_pool(
@@ -128,7 +132,7 @@ class ReservePlan(BaseModel):
 
 def plan_reserve(
     reservations: list[PoolReservation], max_num_seqs: int, max_model_len: int,
-    pool_source: str = "vLLM's determine_available_memory",
+    pool_source: str = POOL_SOURCE,
 ) -> ReservePlan:
     """Combine the workers' reservations: the one with the fewest blocks left binds."""
     if not reservations:
