@@ -68,7 +68,7 @@ def test_a_worker_failing_in_the_planning_rpc_under_warn_starts_unprotected_and_
                   requests=32, max_tokens=4)
     assert run.returncode == 0, run.output[-3000:]
     assert run.result["completed"] == 32
-    assert ("kv-budget could not plan model-local KV (rank 0: RuntimeError: injected fault on rank 0); "
+    assert ("kv-budget: could not plan model-local KV (rank 0: RuntimeError: injected fault on rank 0); "
             "policy warn: the engine starts unprotected, max_num_seqs left at 256") in run.output
     assert run.report is None  # no plan was made; none is pretended
 

@@ -223,7 +223,7 @@ class KvBudgetStatLogger(StatLoggerBase):
         try:
             status = read_status(path)
         except (ValueError, OSError) as exc:
-            _gauges.warn_once(str(path), "kv-budget: metrics not published: %s", exc)
+            _gauges.warn_once(str(path), "metrics not published: %s", exc)
             return 0
         if status is None:
             return 0
@@ -240,7 +240,7 @@ class KvBudgetStatLogger(StatLoggerBase):
         try:
             self.refresh()
         except Exception as exc:  # noqa: BLE001 - logged once, never raised into vLLM
-            _gauges.warn_once(f"refresh:{self.engine_index}", "kv-budget: metrics refresh failed: %r", exc)
+            _gauges.warn_once(f"refresh:{self.engine_index}", "metrics refresh failed: %r", exc)
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
         if self._last_refresh is None or time.monotonic() - self._last_refresh >= REFRESH_INTERVAL_S:

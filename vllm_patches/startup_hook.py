@@ -109,7 +109,7 @@ def plan_after_kv_caches(core: Any, vllm_config: Any) -> Plan | None:
     except ModelLocalKVPlanningError as exc:
         if settings.policy is Policy.CAP:
             raise
-        logger.warning("kv-budget could not plan model-local KV (%s); policy warn: the engine starts unprotected, "
+        logger.warning("could not plan model-local KV (%s); policy warn: the engine starts unprotected, "
                        "max_num_seqs left at %d", "; ".join(exc.failures), configured)
         return None
     deployment = DeploymentPlanning.of_this_process(stage)

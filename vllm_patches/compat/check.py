@@ -74,12 +74,12 @@ def check_vllm(source: VllmSource | None = None) -> CheckedVllm:
     row = support_of(version)
     if row is None:
         logger.warning(
-            "kv-budget has not been tested with vLLM %s (%s); tested: %s. Its hook points hold, continuing",
+            "not tested with vLLM %s (%s); tested: %s. Its hook points hold, continuing",
             version, distribution, supported_summary(),
         )
     elif row.how == "source":
         logger.warning(
-            "kv-budget checked vLLM %s's hook points against %s's source; no engine of this series was run "
+            "checked vLLM %s's hook points against %s's source; no engine of this series was run "
             "by its tests", version, row.checked_on,
         )
     _checked = CheckedVllm(
