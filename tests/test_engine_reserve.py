@@ -32,6 +32,7 @@ from engine_support import (
     run_llm,
 )
 
+from kv_budget.units import MiB
 from kv_budget.watch.status import STATUS_DIR_ENV, read_status, status_path
 from kv_budget_demo.checkpoint import DEFAULT_TALKER, talker_bytes_per_row, write_demo_checkpoint
 
@@ -131,7 +132,7 @@ def test_reserve_costs_the_pool_exactly_the_reserved_bytes_in_whole_blocks(reser
             f"{report['kv_pool_bytes_after']:,} B for it on rank 0") in reserve_run.output
 
 
-PINNED = 512 * 1024**2
+PINNED = 512 * MiB
 
 
 def test_reserve_carves_a_pool_pinned_by_the_flag_and_says_so(checkpoint, tmp_path):

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from engine_support import active_seqs_flags, has_max_num_active_seqs
+from engine_support import POOL, active_seqs_flags, has_max_num_active_seqs
 
 from kv_budget.units import MiB
 from kv_budget.watch.metrics import FINDING_KINDS, VERDICTS
@@ -313,7 +313,7 @@ def test_cap_logs_the_plan_table_with_owner_paths_and_figures(api_server):
     assert f"effective max_num_seqs = {CAP}" in log
     assert "collect + sample + plan took" in log
     # VLLM_CPU_KVCACHE_SPACE pins the pool, so vLLM did not profile; cap measures after the pool all the same.
-    assert (f"vLLM did not profile this engine's memory (pinned at {1024**3:,} B by VLLM_CPU_KVCACHE_SPACE); "
+    assert (f"vLLM did not profile this engine's memory (pinned at {POOL:,} B by VLLM_CPU_KVCACHE_SPACE); "
             "the headroom is measured after its pool was allocated") in log
 
 

@@ -130,7 +130,8 @@ def plan_after_kv_caches(core: Any, vllm_config: Any) -> Plan | None:
     return plan
 
 
-def _engine_context(vllm_config: Any, settings: ModelLocalKVSettings, configured: int, stage: Stage | None) -> EngineContext:
+def _engine_context(vllm_config: Any, settings: ModelLocalKVSettings, configured: int,
+                    stage: Stage | None) -> EngineContext:
     """What the startup flow and live sampling know of this engine, gathered once."""
     return EngineContext(settings, configured, this_engine(vllm_config), vllm_figures(), stage)
 

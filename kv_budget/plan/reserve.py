@@ -73,7 +73,8 @@ class PoolReservation(BaseModel):
 
 
 POOL_SOURCE = "vLLM's determine_available_memory"
-"""Where an engine's pool figure comes from: the executor's answer, which vLLM profiled."""
+"""Where an engine's pool figure comes from: the executor's answer (the glue adds how vLLM sized it where
+it did not profile: a pinned pool)."""
 
 
 def reserve_out_of_pool(
