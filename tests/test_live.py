@@ -14,16 +14,7 @@ from kv_budget.audit import audit_module
 from kv_budget.collect.model import collect_model_local_kv_specs
 from kv_budget.declare.hf_config import spec_from_hf_config
 from kv_budget.declare.spec import RowDriver, Scope
-from kv_budget.plan.planner import (
-    LIVE_MARGIN_FLOOR_BYTES,
-    LIVE_MARGIN_FRACTION,
-    LIVE_MARGIN_OF_FREE,
-    budget_worker,
-    headroom_from_free,
-    headroom_override,
-    live_margin_bytes,
-    make_plan,
-)
+from kv_budget.plan.planner import budget_worker, headroom_from_free, headroom_override, live_margin_bytes, make_plan
 from kv_budget.sample.caches import HeldBytes
 from kv_budget.sample.in_step import InStepPeaks
 from kv_budget.settings import Policy
@@ -31,7 +22,6 @@ from kv_budget.watch.live import (
     DEAD_AFTER_COMPLETED,
     DeviceFree,
     LiveMeasurement,
-    COST_PAD,
     MAX_SAMPLING_FRACTION,
     first_admission,
     LiveMonitor,
@@ -250,77 +240,41 @@ def held(stage: Stage, count: int) -> None:
         stage.talker.start(f"r{i}")
 
 
-def padded(cost: int) -> int:
-    """A measured cost per sequence with the pad for the sequences to come."""
-    return cost + int(cost * COST_PAD)
-
-
-def observe_free(monitor: LiveMonitor, stage: Stage, scanner: HeldBytes, count: int, free: int, now: float,
-                 peak_excess: int | None = None):
-    """Hold ``count`` requests' rows in all (0: the load drained) and sample with ``free`` bytes on the device."""
-    if count:
-        held(stage, count)
-    else:
-        stage.talker.caches.clear()
-    return monitor.observe(device_sample(stage, scanner, free, peak_excess), running=count, finished_unfreed=0,
-                           completed=0, now=now)
-
-
 def test_under_cap_with_a_measured_headroom_the_limit_follows_what_the_device_holds():
-    """The plan's startup cap rests on a guess of what the engine adds
-    under load. Admission starts at what the default margin admits (here
-    none: the test device's default margin dwarfs it, so 1); once as many
-    are held as the limit allows it goes to what fits: held + floor((free
-    at the steps' peak - margin) / cost), the cost padded by an eighth. One
-    sample gives the average cost, what the engine grew once included; two
-    at rising numbers held give the marginal cost, which leaves that out."""
+    """The plan's 10 rests on a guess of what the engine adds under load.
+    Admission starts at what the default margin admits (here none: the
+    test device's default margin dwarfs it, so 1), and once as many are
+    held as the limit allows goes to what fits at the sequences' measured
+    cost: held + floor((free at the steps' peak - margin) / cost)."""
     stage = Stage(RequestTalker())
-    plan = measured_plan(stage, MARGIN + 40 * ROW_BYTES)
+    plan = measured_plan(stage, MARGIN + 10 * ROW_BYTES)
+    assert plan.effective_max_num_seqs == 10
     monitor, scanner = LiveMonitor(plan), HeldBytes(stage, ["talker"])
     assert monitor.follows_device and monitor.limit == first_admission(plan) == 1 and monitor.ceiling == 256
-    # One sequence, and 6 rows' worth the engine grew once (an allocator arena): 7 rows on average.
-    first = observe_free(monitor, stage, scanner, 1, MARGIN + 33 * ROW_BYTES, 0.0)
+    held(stage, 1)
+    first = monitor.observe(device_sample(stage, scanner, MARGIN + 9 * ROW_BYTES), running=1, finished_unfreed=0,
+                            completed=0, now=0.0)
     (finding,) = first.findings
-    assert finding.kind == "memory-room" and first.limit == monitor.limit == 1 + 33 * ROW_BYTES // padded(7 * ROW_BYTES)
-    assert (f"held 1 + floor(({MARGIN + 33 * ROW_BYTES:,} B free at the steps' peak ({MARGIN + 33 * ROW_BYTES:,} B "
-            f"between steps - 0 B above) - live margin {MARGIN:,} B) / {padded(7 * ROW_BYTES):,} B per sequence "
-            f"[{7 * ROW_BYTES:,} B the most of") in finding.message
-    # Five held cost four rows more than one: a row each, the arena not charged again.
-    second = observe_free(monitor, stage, scanner, 5, MARGIN + 29 * ROW_BYTES, 1.0)
-    assert monitor.cost_per_seq == ROW_BYTES and second.limit == 5 + 29 * ROW_BYTES // padded(ROW_BYTES) == 30
-    assert f"marginal: {4 * ROW_BYTES:,} B more used at 5 held than at 1" in second.findings[0].message
-    # Something the plan never saw takes three rows more than 25 sequences' own: the limit goes down at once.
-    short = observe_free(monitor, stage, scanner, 30, MARGIN - 2 * ROW_BYTES, 2.0)
-    cost = -(-31 * ROW_BYTES // 25)  # the upper half's secant, from 5 held to 30: the larger
-    assert [f.kind for f in short.findings] == ["memory-low"] and monitor.cost_per_seq == cost
-    assert short.limit == monitor.limit == 30 - (-(-2 * ROW_BYTES // padded(cost))) == 28
+    assert finding.kind == "memory-room" and first.limit == monitor.limit == 10  # straight to what fits
+    assert (f"held 1 + floor(({MARGIN + 9 * ROW_BYTES:,} B free at the steps' peak ({MARGIN + 9 * ROW_BYTES:,} B "
+            f"between steps - 0 B above) - live margin {MARGIN:,} B) / {ROW_BYTES:,} B per sequence") in finding.message
+    held(stage, 8)
+    assert monitor.observe(device_sample(stage, scanner, MARGIN + 2 * ROW_BYTES), running=8, finished_unfreed=0,
+                           completed=0, now=1.0).limit is None  # 10 still
+    # Something the plan never saw takes two rows' worth: each held sequence now costs 10/8 of a row.
+    short = monitor.observe(device_sample(stage, scanner, MARGIN), running=8, finished_unfreed=0, completed=0,
+                            now=2.0)
+    assert [f.kind for f in short.findings] == ["memory-low"] and short.limit == monitor.limit == 8
+    assert monitor.cost_per_seq == -(-10 * ROW_BYTES // 8)
     # The same seen only at the steps' peak (the worker's excess over what it holds between steps): the same bound.
-    peak = observe_free(monitor, stage, scanner, 30, MARGIN, 3.0, peak_excess=2 * ROW_BYTES)
-    assert peak.findings == [] and peak.limit is None and monitor.limit == 28
-    # The load drains: the marginal cost stays, so the next burst is not let in as if free.
-    idle = observe_free(monitor, stage, scanner, 0, MARGIN + 8 * ROW_BYTES, 4.0)
-    assert monitor.cost_per_seq == cost and idle.limit == monitor.memory_limit == 8 * ROW_BYTES // padded(cost) == 5
-
-
-def test_the_marginal_cost_is_not_read_off_one_sequence_nor_below_the_declared_bytes():
-    """The latest sample is set against the first and the last at or under
-    half its held, never against the one before it alone: a one-sequence
-    span reads one allocation as its cost. A secant below the declared
-    bytes (memory returned between samples) is not believed: the average
-    is used."""
-    stage = Stage(RequestTalker())
-    plan = measured_plan(stage, MARGIN + 400 * ROW_BYTES)
-    monitor, scanner = LiveMonitor(plan), HeldBytes(stage, ["talker"])
-    observe_free(monitor, stage, scanner, 1, MARGIN + 390 * ROW_BYTES, 0.0)  # 10 rows on average
-    observe_free(monitor, stage, scanner, 40, MARGIN + 320 * ROW_BYTES, 1.0)  # 40 held, 80 rows: 70 more since 1
-    assert monitor.cost_per_seq == -(-70 * ROW_BYTES // 39)
-    observe_free(monitor, stage, scanner, 41, MARGIN + 300 * ROW_BYTES, 2.0)  # one more held, 20 rows more
-    assert monitor.cost_per_seq == -(-90 * ROW_BYTES // 40)  # from 1 held (the first and the upper half's)
-    returned = LiveMonitor(plan)
+    peak = monitor.observe(device_sample(stage, scanner, MARGIN + 2 * ROW_BYTES, peak_excess=2 * ROW_BYTES),
+                           running=8, finished_unfreed=0, completed=0, now=3.0)
+    assert peak.findings == [] and peak.limit is None and monitor.limit == 8
+    # The load drains: the cost measured with the most held stays, so the next burst is not let in as if free.
     stage.talker.caches.clear()
-    observe_free(returned, stage, scanner, 10, MARGIN + 380 * ROW_BYTES, 0.0)  # 20 rows for 10
-    observe_free(returned, stage, scanner, 20, MARGIN + 375 * ROW_BYTES, 1.0)  # 5 rows for 10 more: half a row each
-    assert returned.cost_per_seq == -(-25 * ROW_BYTES // 20)  # the average, not the secant below a row
+    idle = monitor.observe(device_sample(stage, scanner, MARGIN + 8 * ROW_BYTES), running=0, finished_unfreed=0,
+                           completed=8, now=4.0)
+    assert monitor.cost_per_seq == -(-10 * ROW_BYTES // 8) and monitor.memory_limit == 6 and idle.limit == 6
 
 
 def test_a_start_at_one_sequence_rises_to_what_the_device_holds_at_the_first_sample():
@@ -329,37 +283,37 @@ def test_a_start_at_one_sequence_rises_to_what_the_device_holds_at_the_first_sam
     held takes the limit to what the device holds, past the startup figure
     up to the configured max_num_seqs."""
     stage = Stage(RequestTalker())
-    free = LIVE_MARGIN_FLOOR_BYTES + 40 * ROW_BYTES
+    free = 128 * 1024**2 + 40 * ROW_BYTES
     plan = measured_plan(stage, free, margin=None)
     assert plan.headroom_bytes == 0 and plan.effective_max_num_seqs == 1
-    assert live_margin_bytes(plan.workers[0].headroom) == LIVE_MARGIN_FLOOR_BYTES  # a 32nd of free is less
     monitor, scanner = LiveMonitor(plan), HeldBytes(stage, ["talker"])
     assert monitor.limit == 1 and monitor.ceiling == 256
-    update = observe_free(monitor, stage, scanner, 1, free - ROW_BYTES, 0.0)
-    assert update.limit == 1 + 39 * ROW_BYTES // padded(ROW_BYTES) == 35
+    held(stage, 1)
+    update = monitor.observe(device_sample(stage, scanner, free - ROW_BYTES), running=1, finished_unfreed=0,
+                             completed=0, now=0.0)
+    assert update.limit == 1 + (free - ROW_BYTES - 128 * 1024**2) // ROW_BYTES == 40
 
 
 def test_the_default_margin_is_kept_only_in_part_while_serving_and_the_limit_may_pass_the_startup_cap():
     """The default margin stands for what startup could not measure; once
-    the sequences' cost is measured the watch keeps an eighth of it, no
-    more than a 32nd of what was free at startup, so the live limit may go
-    past the startup cap, up to the configured max_num_seqs. A smaller
-    margin of the operator's is kept whole, and admission starts at what
-    the default one admits."""
+    the sequences' cost is measured the watch keeps an eighth of it (at
+    least 64 MiB), so the live limit may go past the startup cap, up to the
+    configured max_num_seqs. A smaller margin of the operator's is kept
+    whole, and admission starts at what the default one admits."""
     stage = Stage(RequestTalker())
     free = 1024**3 + 100 * ROW_BYTES
     headroom = headroom_from_free(free, 4 * 1024**3, "test device")  # the default margin: 1 GiB
     assert headroom.margin_bytes == headroom.default_margin_bytes == 1024**3 and not headroom.margin_given
     margin = live_margin_bytes(headroom)
-    assert margin == int(free * LIVE_MARGIN_OF_FREE) < 128 * 1024**2  # a 32nd of free, under an eighth of 1 GiB
-    roomy = headroom_from_free(16 * 1024**3, 64 * 1024**3, "test device")  # the default margin: 5 % of 64 GiB
-    assert live_margin_bytes(roomy) == int(roomy.margin_bytes * LIVE_MARGIN_FRACTION) < 16 * 1024**3 // 32
+    assert margin == 128 * 1024**2
     plan = make_plan([budget_worker(collect_model_local_kv_specs(stage), headroom, max_num_seqs=256)], 256, "cap")
     assert plan.effective_max_num_seqs == 100
     monitor, scanner = LiveMonitor(plan), HeldBytes(stage, ["talker"])
     assert monitor.limit == 100  # the default margin's own cap
-    update = observe_free(monitor, stage, scanner, 100, free - 100 * ROW_BYTES, 0.0)
-    assert monitor.memory_limit == 100 + (free - 100 * ROW_BYTES - margin) // padded(ROW_BYTES) > 256
+    held(stage, 100)
+    update = monitor.observe(device_sample(stage, scanner, free - 100 * ROW_BYTES), running=100, finished_unfreed=0,
+                             completed=0, now=0.0)
+    assert monitor.memory_limit == 100 + (free - 100 * ROW_BYTES - margin) // ROW_BYTES > 256
     assert update.limit == 256 == monitor.ceiling  # past the startup cap, never past the configured max_num_seqs
     small = headroom_from_free(free, 4 * 1024**3, "test device", 64 * 1024**2)
     assert small.margin_given and live_margin_bytes(small) == 64 * 1024**2  # the operator's margin is kept whole
@@ -394,9 +348,10 @@ def test_workers_sharing_the_device_split_what_is_free():
     plan = measured_plan(stage, MARGIN + 20 * ROW_BYTES, sharers=2)
     assert plan.effective_max_num_seqs == 10
     monitor, scanner = LiveMonitor(plan), HeldBytes(stage, ["talker"])
-    update = observe_free(monitor, stage, scanner, 1, MARGIN + 18 * ROW_BYTES, 0.0)
-    assert monitor.cost_per_seq == 2 * ROW_BYTES
-    assert update.limit == monitor.memory_limit == 1 + 18 * ROW_BYTES // padded(2 * ROW_BYTES) == 9
+    held(stage, 1)
+    update = monitor.observe(device_sample(stage, scanner, MARGIN + 18 * ROW_BYTES), running=1, finished_unfreed=0,
+                             completed=0, now=0.0)
+    assert monitor.cost_per_seq == 2 * ROW_BYTES and update.limit == monitor.memory_limit == 1 + 18 // 2 == 10
 
 
 def test_under_declaration_under_warn_is_reported_and_changes_nothing():

@@ -46,7 +46,6 @@ __all__ = [
     "MIN_DEFAULT_MARGIN_BYTES",
     "default_margin_bytes",
     "LIVE_MARGIN_FLOOR_BYTES",
-    "LIVE_MARGIN_OF_FREE",
     "live_margin_bytes",
     "headroom_from_free",
     "headroom_override",
@@ -96,12 +95,7 @@ def default_margin_bytes(total_bytes: int) -> int:
 LIVE_MARGIN_FRACTION = Fraction(1, 8)
 """The part of the default margin the live watch keeps (:func:`live_margin_bytes`)."""
 
-LIVE_MARGIN_OF_FREE = Fraction(1, 32)
-"""The most of what was free at startup the live watch keeps: where little
-is free, an eighth of the default margin would be a large part of it (a
-third of a container's 381 MiB above its usage after startup)."""
-
-LIVE_MARGIN_FLOOR_BYTES = 16 * 1024 * 1024
+LIVE_MARGIN_FLOOR_BYTES = 64 * 1024 * 1024
 """The least the live watch keeps free of a measured headroom while serving."""
 
 
@@ -133,20 +127,16 @@ class Headroom(BaseModel):
 
 def live_margin_bytes(headroom: Headroom) -> int:
     """What the live watch keeps free on a device: the whole margin where
-    the operator set it; else an eighth of the default margin and no more
-    than :data:`LIVE_MARGIN_OF_FREE` of what was free at startup, at least
+    the operator set it; else an eighth of the default margin, at least
     :data:`LIVE_MARGIN_FLOOR_BYTES` and never more than the margin. Why less
     than at startup: the default margin stands for what startup could not
     measure (the engine's own growth under load); serving, the device is
-    read every sample and the sequences' measured cost, padded for the
-    sequences yet to come, takes that part, so the margin is left to cover
-    what a sample cannot see coming (another process, a step larger than
-    any sampled)."""
+    read every sample and the sequences' measured cost takes that part, so
+    the margin is left to cover what a sample cannot see coming (another
+    process, an estimate a step later proves short)."""
     if headroom.margin_given:
         return headroom.margin_bytes
     part = int(headroom.margin_bytes * LIVE_MARGIN_FRACTION)
-    if headroom.sampled_free_bytes is not None:
-        part = min(part, int(headroom.sampled_free_bytes * LIVE_MARGIN_OF_FREE))
     return min(headroom.margin_bytes, max(part, LIVE_MARGIN_FLOOR_BYTES))
 
 

@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from fractions import Fraction
 
 from pydantic import BaseModel
 
@@ -71,7 +70,6 @@ from kv_budget.watch.live_state import Finding, LiveState, OwnerLive, RankLive, 
 __all__ = [
     "DEAD_AFTER_COMPLETED",
     "MAX_SAMPLING_FRACTION",
-    "COST_PAD",
     "first_admission",
     "device_following",
     "DeviceFree",
@@ -111,12 +109,6 @@ there is). Injected by the engine glue, so the monitor stays pure."""
 
 WATCHED_POLICIES = (Policy.CAP, Policy.WARN, Policy.RESERVE)
 """The policies whose engines are watched; ``off`` is not."""
-
-COST_PAD = Fraction(1, 8)
-"""Added to the measured cost of a sequence for those the limit admits
-next: it is a secant through earlier samples, and sequences admitted later
-cost the worker's allocator more than one wave of the same (measured on
-vLLM's CPU build, :meth:`LiveMonitor._ramp`)."""
 
 CORRECTING_POLICIES = (Policy.CAP, Policy.RESERVE)
 """The policies under which a measurement lowers the live limit: ``cap``
@@ -375,9 +367,6 @@ class LiveMonitor:
         spread widest, kept when the load drains: otherwise an idle engine,
         nothing held, would read the declared bytes as the cost and let the
         next burst in at once as if nothing else grew."""
-        self._high_water: dict[int, list[tuple[int, int]]] = {}
-        """Per rank: (held, bytes the device lost since startup) at each
-        sample with more held than any before (:meth:`_marginal_cost`)."""
         self.samples = self.samples_while_running = self.corrections = 0
         self.running = self.held = self.waiting = self.completed = 0
         self.parked = 0
@@ -472,9 +461,10 @@ class LiveMonitor:
         """What the devices hold, from what is free on them: for each rank
         whose plan kept a margin of a measured headroom, the free memory at
         the steps' peak (between steps, less the worker's excess above it,
-        :attr:`DeviceFree.peak_excess_bytes`), the measured cost of one more
-        held sequence (:meth:`_cost_per_seq`), and held + floor((free at the
-        peak - live margin) / (cost + :data:`COST_PAD`)). Sets :attr:`memory_limit` to the
+        :attr:`DeviceFree.peak_excess_bytes`), the measured cost of one held
+        sequence (what the device lost since startup per sequence held, and
+        never less than the live per-sequence bytes), and held + floor((free
+        at the peak - live margin) / cost). Sets :attr:`memory_limit` to the
         smallest (None where no rank was read) and returns that rank's
         figures."""
         bounds = []
@@ -496,61 +486,22 @@ class LiveMonitor:
         lowest = free.free_bytes - excess
         planned = headroom.sharers * self.rank_per_seq_bytes(rank)
         grown = max((headroom.sampled_free_bytes or free.free_bytes) - lowest, 0)
-        cost, basis = self._cost_per_seq(rank, grown, planned)
-        at_peak = f"{lowest:,} B free at the steps' peak ({free.free_bytes:,} B between steps - {excess:,} B above)"
-        if cost:
-            padded = cost + int(cost * COST_PAD)
-            bound = self.held + (lowest - margin) // padded
-            how = (f"held {self.held} + floor(({at_peak} - live margin {margin:,} B) / {padded:,} B per sequence "
-                   f"[{cost:,} B {basis}, plus {COST_PAD} for the sequences to come])")
-        else:
-            bound = self.held if lowest < margin else self.ceiling
-            how = f"nothing held or declared per sequence; {at_peak}, live margin {margin:,} B"
-        return _DeviceBound(rank=rank, bound=max(bound, 1), cost=cost or None, how=how, source=free.source)
-
-    def _cost_per_seq(self, rank: int, grown: int, planned: int) -> tuple[int, str]:
-        """What one more held sequence costs the device, and how it was
-        found. Marginal where two samples at rising numbers held show it
-        (:meth:`_marginal_cost`) and it is no less than the live
-        per-sequence bytes: what the engine grew once (allocator arenas,
-        buffers of a first batch) is not charged to every sequence. Else
-        the average: the most of what the device lost since startup per
-        sequence held, the same at the sample with the most held so far
-        (kept when the load drains: an idle engine, nothing held, would
-        otherwise read the declared bytes as the cost), and the declared
-        bytes."""
         measured = -(-grown // self.held) if self.held else 0
         most_held, at_most = self._cost_at_most_held.get(rank, (0, 0))
         if self.held >= most_held and self.held:
             self._cost_at_most_held[rank] = (self.held, measured)
             most_held, at_most = self.held, measured
-        marginal = self._marginal_cost(rank, grown)
-        if marginal is not None and marginal[0] >= planned:
-            cost, low, high, more = marginal
-            return cost, f"marginal: {more:,} B more used at {high} held than at {low}"
         cost = max(planned, measured, at_most)
-        return cost, (f"the most of {grown:,} B used since startup / {self.held} held, {at_most:,} B at the most "
-                      f"held ({most_held}) and {planned:,} B declared")
-
-    def _marginal_cost(self, rank: int, grown: int) -> tuple[int, int, int, int] | None:
-        """(cost per sequence, from held, to held, bytes grown between) at
-        the high-water samples (each at more held than any before, with
-        what the device had lost then): the larger secant to the latest
-        from the first and from the last at or under half its held. Why
-        two: the first spans the widest, the upper half sees a cost that
-        rises with the batch; why not the last two: a single sequence's
-        span reads one allocation as its cost. None below two samples."""
-        points = self._high_water.setdefault(rank, [])
-        if self.held and (not points or self.held > points[-1][0]):
-            points.append((self.held, grown))
-        elif points and self.held == points[-1][0] and grown > points[-1][1]:
-            points[-1] = (self.held, grown)
-        if len(points) < 2:
-            return None
-        high, top = points[-1]
-        candidates = [points[0], max((p for p in points[:-1] if p[0] <= high // 2), default=points[0])]
-        secants = [(-(-(top - base) // (high - low)), low, high, top - base) for low, base in candidates]
-        return max(secants)
+        at_peak = f"{lowest:,} B free at the steps' peak ({free.free_bytes:,} B between steps - {excess:,} B above)"
+        if cost:
+            bound = self.held + (lowest - margin) // cost
+            how = (f"held {self.held} + floor(({at_peak} - live margin {margin:,} B) / {cost:,} B per sequence "
+                   f"[the most of {grown:,} B used since startup / {self.held} held, {at_most:,} B at the most held "
+                   f"({most_held}) and {planned:,} B declared])")
+        else:
+            bound = self.held if lowest < margin else self.ceiling
+            how = f"nothing held or declared per sequence; {at_peak}, live margin {margin:,} B"
+        return _DeviceBound(rank=rank, bound=max(bound, 1), cost=cost or None, how=how, source=free.source)
 
     def _memory_finding(self, new: list[Finding], device: _DeviceBound, limit: int) -> None:
         """One finding where the device moved the live limit (or, under
