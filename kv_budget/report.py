@@ -136,11 +136,25 @@ def render_reserve_table(plan: ReservePlan, binding: WorkerBudget) -> str:
         f"  blocks: {plan.num_blocks_before:,} -> {plan.num_blocks_after:,} (a block is "
         f"{plan.binding.block_bytes:,} B across the KV layers; the reservation costs "
         f"{plan.num_blocks_before - plan.num_blocks_after:,} blocks)",
+        *_unified_block_lines(plan),
         f"  -> max_num_seqs = {plan.max_num_seqs} (kept); the pool holds "
         f"{plan.max_concurrency_at_max_model_len:.2f} sequences of max_model_len={plan.max_model_len:,} at once "
         f"({plan.num_blocks_after:,} blocks / {plan.blocks_per_sequence:,} per sequence)",
     ]
     return "\n".join(lines)
+
+
+def _unified_block_lines(plan: ReservePlan) -> list[str]:
+    """The workers left more blocks than the binding one: vLLM gives every
+    worker the smallest count, so what they reserved less stays out of
+    their pool all the same (pipeline parallel: the ranks without the
+    caches)."""
+    return [
+        f"  rank {r.rank}: reserves {format_bytes(r.reserved_bytes)}, keeps {plan.num_blocks_after:,} blocks as "
+        f"every worker does (vLLM gives each the smallest count): "
+        f"{(r.num_blocks_after - plan.num_blocks_after) * r.block_bytes:,} B of its pool stay unallocated"
+        for r in plan.reservations if r.num_blocks_after > plan.num_blocks_after
+    ]
 
 
 def render_choices(cap: Plan | None, reserve: ReservePlan) -> str:

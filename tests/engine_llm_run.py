@@ -69,10 +69,9 @@ if __name__ == "__main__":
         model=spec["model"],
         max_num_seqs=spec.get("max_num_seqs", 256),
         max_model_len=256,
-        enforce_eager=True,
         seed=0,
         additional_config=spec["additional_config"],
-        **spec.get("llm_kwargs", {}),
+        **{"enforce_eager": True, **spec.get("llm_kwargs", {})},
     )
     requests = spec.get("requests", 256)
     prompts = [{"prompt_token_ids": [3 + (i * 7 + j) % 400 for j in range(16)]} for i in range(requests)]

@@ -82,6 +82,24 @@ def test_the_worker_with_the_fewest_blocks_left_binds():
     assert plan.num_blocks_before == GiB // BLOCK
 
 
+def test_under_pipeline_parallel_the_rank_without_caches_keeps_the_binding_count_and_the_table_says_so():
+    """Rank 0 holds no model-local KV and reserves nothing; vLLM still gives
+    it the binding rank's block count, and the table names what stays
+    unallocated there."""
+    empty = budget_worker(Collection((), ()), headroom_override(0, "not sampled"), rank=0, max_num_seqs=256)
+    holder = worker(spec("talker_step_kv", 1_114_112 // ROW), rank=1)
+    plan = plan_reserve(
+        [reserve_out_of_pool(empty, 256, GiB, BLOCK, SEQUENCE), reserve_out_of_pool(holder, 256, GiB, BLOCK, SEQUENCE)],
+        256, 256,
+    )
+    assert plan.binding_rank == 1 and plan.reserved_bytes == 285_212_672 and plan.num_blocks_after == 6016
+    assert plan.reservations[0].reserved_bytes == 0
+    table = render_reserve_table(plan, holder)
+    assert ("rank 0: reserves 0 B (0.00 MiB), keeps 6,016 blocks as every worker does (vLLM gives each the "
+            f"smallest count): {2176 * BLOCK:,} B of its pool stay unallocated") in table
+    assert "rank 1:" not in table
+
+
 @pytest.mark.parametrize("pool, feasible", [
     (256 * 100 * ROW + SEQUENCE + BLOCK, True),  # exactly one max_model_len sequence and the null block left
     (256 * 100 * ROW + SEQUENCE + BLOCK - 1, False),

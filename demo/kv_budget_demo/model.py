@@ -39,7 +39,8 @@ from pathlib import Path
 
 import torch
 from transformers import DynamicCache, Qwen2Config
-from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from vllm.distributed.parallel_state import get_world_group
 from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 
@@ -69,7 +70,9 @@ def sequences_in_step() -> int | None:
 class Talker(torch.nn.Module):
     """Keeps one step's worth of talker KV rows; declares exactly that."""
 
-    def __init__(self, settings: dict, tp_rank: int, tp_size: int) -> None:
+    def __init__(self, settings: dict, tp_rank: int, tp_size: int, rank: int | None = None) -> None:
+        """``rank``: the worker's rank in the whole engine (tensor x pipeline),
+        which names its stats file; ``tp_rank`` by default."""
         super().__init__()
         if settings["num_key_value_heads"] % tp_size:
             raise ValueError(
@@ -78,7 +81,7 @@ class Talker(torch.nn.Module):
             )
         self.settings = settings
         self.dtype = getattr(torch, settings["dtype"])
-        self.rank = tp_rank
+        self.rank = tp_rank if rank is None else rank
         # The talker's attention is sharded like vLLM's: kv heads split
         # across tensor-parallel ranks.
         self.config = Qwen2Config(
@@ -89,7 +92,7 @@ class Talker(torch.nn.Module):
         )
         self.head_dim = settings["hidden_size"] // settings["num_attention_heads"]
         self.has_postnet = tp_rank == tp_size - 1
-        self.stats = {"rank": tp_rank, "peak_bytes": 0, "peak_sequences": 0}
+        self.stats = {"rank": self.rank, "peak_bytes": 0, "peak_sequences": 0}
         self.lifetime = self._setting("lifetime")
         self.request_kv: dict[str, DynamicCache] = {}
         """Request lifetime: the talker rows of each request, by request id."""
@@ -219,7 +222,10 @@ class Talker(torch.nn.Module):
 
 
 class KvBudgetDemoForCausalLM(Qwen2ForCausalLM):
-    """Qwen2ForCausalLM plus a :class:`Talker` that runs every step."""
+    """Qwen2ForCausalLM plus a :class:`Talker` that runs every step. Under
+    pipeline parallel the talker lives on the last pipeline rank only, as a
+    talker that reads the LM's last hidden states would: the other ranks
+    hold none of its caches and declare nothing."""
 
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
@@ -227,12 +233,15 @@ class KvBudgetDemoForCausalLM(Qwen2ForCausalLM):
         if not isinstance(settings, dict):
             raise ValueError(f"the demo checkpoint's config has no {TALKER_KEY!r} section; "
                              "write it with `python -m kv_budget_demo.checkpoint DIR`")
-        self.talker = Talker(settings, get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size())
+        self.talker = Talker(
+            settings, get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size(), get_world_group().rank,
+        ) if get_pp_group().is_last_rank else None
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **runner_kwargs):
         # vLLM-Omni's AR model runner also passes sampling_metadata,
         # logits_index and sampler (and its stage kwargs); this model samples
         # as a plain vLLM model does and ignores them. Plain vLLM passes none.
-        self.talker.step(positions.device)
+        if self.talker is not None:
+            self.talker.step(positions.device)
         return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds)
 

@@ -22,14 +22,15 @@ from vllm_patches.patching import patch_method
 
 def _demo_talker(worker: Any) -> Any | None:
     """The demo model's talker when this worker serves the demo
-    architecture with request lifetimes; else None."""
+    architecture with request lifetimes (and holds the talker: the last
+    pipeline rank); else None."""
     model = getattr(getattr(worker, "model_runner", None), "model", None)
     unwrap = getattr(model, "unwrap", None)
     model = unwrap() if callable(unwrap) else model
     if type(model).__name__ != ARCHITECTURE:
         return None
     talker = model.talker
-    return talker if talker.lifetime == "request" else None
+    return talker if talker is not None and talker.lifetime == "request" else None
 
 
 def patch_worker_for_demo(worker_cls) -> None:
