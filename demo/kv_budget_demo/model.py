@@ -40,7 +40,6 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache, Qwen2Config
 from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
-from vllm.distributed.parallel_state import get_world_group
 from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 
@@ -71,8 +70,9 @@ class Talker(torch.nn.Module):
     """Keeps one step's worth of talker KV rows; declares exactly that."""
 
     def __init__(self, settings: dict, tp_rank: int, tp_size: int, rank: int | None = None) -> None:
-        """``rank``: the worker's rank in the whole engine (tensor x pipeline),
-        which names its stats file; ``tp_rank`` by default."""
+        """``rank``: the worker's rank across the engine's workers (tensor x
+        pipeline) and its data-parallel engines, which names its stats file;
+        ``tp_rank`` by default."""
         super().__init__()
         if settings["num_key_value_heads"] % tp_size:
             raise ValueError(
@@ -216,7 +216,7 @@ class Talker(torch.nn.Module):
         if not directory:
             return
         path = Path(directory) / f"stats-rank{self.rank}.json"
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(self.stats))
         tmp.replace(path)
 
@@ -233,9 +233,12 @@ class KvBudgetDemoForCausalLM(Qwen2ForCausalLM):
         if not isinstance(settings, dict):
             raise ValueError(f"the demo checkpoint's config has no {TALKER_KEY!r} section; "
                              "write it with `python -m kv_budget_demo.checkpoint DIR`")
-        self.talker = Talker(
-            settings, get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size(), get_world_group().rank,
-        ) if get_pp_group().is_last_rank else None
+        tp_rank, tp_size, pp = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size(), get_pp_group()
+        # Counted across data-parallel engines, which share the stats directory (vLLM's worker order within
+        # one); data_parallel_index, as vLLM resets a dense model's data_parallel_rank to 0 in each engine.
+        parallel = vllm_config.parallel_config
+        rank = parallel.data_parallel_index * parallel.world_size + pp.rank_in_group * tp_size + tp_rank
+        self.talker = Talker(settings, tp_rank, tp_size, rank) if pp.is_last_rank else None
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **runner_kwargs):
         # vLLM-Omni's AR model runner also passes sampling_metadata,
