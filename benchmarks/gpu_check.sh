@@ -35,6 +35,14 @@
 #    $QWEN3_TTS_MODEL, else the small random Qwen3-TTS checkpoint of
 #    tests/omni_cpu (kv_budget_omni_cpu.qwen3_tts_checkpoint). SKIPPED where
 #    vLLM-Omni cannot be installed. Adds up to 10 minutes to steps 1-5.
+# 7. vLLM's Ray executor and pipeline parallel (benchmarks/gpu_ray_check.py):
+#    the demo through vllm.LLM with --distributed-executor-backend ray
+#    (tensor parallel 2 where two GPUs are visible, else 1), each Ray
+#    worker's budget sampled by NVML inside it, the cap their minimum, 256
+#    requests; with two GPUs also pipeline parallel 2 (the one constraint is
+#    the last rank's). vLLM's CPU build has no Ray executor, so this runs only
+#    here. Installs `ray` into .venv-gpu; SKIPPED where it cannot. Adds up to
+#    10 minutes.
 #
 # Installs what it needs into .venv-gpu (PyTorch from the machine where one
 # is installed, plus kv-budget with the `cuda` extra). Where the package
@@ -213,8 +221,23 @@ else
     echo "[gpu-check] step 6 SKIPPED: vLLM-Omni 0.30.0 is not installed and could not be installed here"
 fi
 
+step7=SKIPPED
+if [ "$step2" != SKIPPED ]; then
+    $PY -c "import ray" 2>/dev/null || timeout 300 $PY -m pip install -q ray >>"$OUT_DIR/pip.log" 2>&1 \
+        || echo "[gpu-check] pip could not install ray: see $OUT_DIR/pip.log"
+    if $PY -c "import ray" 2>/dev/null; then
+        echo "[gpu-check] step 7: the Ray executor and pipeline parallel"
+        if timeout 900 $PY benchmarks/gpu_ray_check.py "$OUT_DIR/ray" 2>&1 | tee "$OUT_DIR/step7.log"; then
+            step7=PASS
+        else
+            step7=FAIL
+        fi
+    fi
+fi
+
 echo "[gpu-check] step 1 (NVML/CUDA): $([ "$step1" = 0 ] && echo PASS || echo FAIL); step 2 (demo): $step2;" \
     "step 3 (reserve): $step3; step 4 (live): $step4; step 5 (deployment split): $step5;" \
-    "step 6 (Qwen3-TTS on Model Runner V2): $step6; $(( $(date +%s) - start )) s"
+    "step 6 (Qwen3-TTS on Model Runner V2): $step6; step 7 (Ray, pipeline parallel): $step7;" \
+    "$(( $(date +%s) - start )) s"
 [ "$step1" = 0 ] && [ "$step2" != FAIL ] && [ "$step3" != FAIL ] && [ "$step4" != FAIL ] && [ "$step5" = PASS ] \
-    && [ "$step6" != FAIL ]
+    && [ "$step6" != FAIL ] && [ "$step7" != FAIL ]
