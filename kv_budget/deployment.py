@@ -37,6 +37,7 @@ of its own. Nothing here imports vLLM or vLLM-Omni.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import time
@@ -51,7 +52,7 @@ from kv_budget.log import logger
 from kv_budget.plan.deploy import SPLIT_RULE, DeviceAccount, StageBudget, plan_deploy
 from kv_budget.plan.deploy_file import DeployFile, StageDeploy
 from kv_budget.plan.planner import LedgerLine, WorkerBudget, safe_max_num_seqs
-from kv_budget.runtime_files import exclusive_lock, write_atomically
+from kv_budget.runtime_files import UnsafeRuntimeDirError, checked_dir, exclusive_lock, read_text, write_atomically
 from kv_budget.settings import ModelLocalKVSettings
 from kv_budget.stage import Stage
 
@@ -229,6 +230,10 @@ def deployment_path(directory: Path) -> Path:
     return directory / f"deployment-{pid}-{time.time_ns()}.json"
 
 
+CHOOSE_ANOTHER = ("choose another with --model-local-kv-ledger-dir (the deployment record lives beside the "
+                  "device ledger)")
+
+
 def _write(path: Path, record: DeploymentRecord) -> None:
     try:
         write_atomically(path, record.model_dump_json(indent=1))
@@ -238,7 +243,10 @@ def _write(path: Path, record: DeploymentRecord) -> None:
 
 def _read(path: Path) -> DeploymentRecord:
     try:
-        record = DeploymentRecord.model_validate(json.loads(path.read_text()))
+        text = read_text(path)
+        if text is None:
+            raise FileNotFoundError(errno.ENOENT, "no such file")
+        record = DeploymentRecord.model_validate(json.loads(text))
     except (OSError, ValueError) as exc:
         raise DeploymentError(f"the kv-budget deployment record {path} cannot be read ({exc})") from exc
     live = [entry for entry in record.planned if process_alive(entry.pid, entry.process_start)]
@@ -256,13 +264,15 @@ def _locked(path: Path) -> Iterator[None]:
         yield
 
 
-def create_deployment(path: Path, record: DeploymentRecord) -> Path:
-    """Write the driver's record (no stage has planned yet)."""
+def create_deployment(path: Path, record: DeploymentRecord, shared: bool = False) -> Path:
+    """Write the driver's record (no stage has planned yet) in a checked
+    directory (:func:`kv_budget.runtime_files.checked_dir`; ``shared``: the
+    operator's shared ledger directory). The record itself is always this
+    user's: the stages of one deployment run as its driver does."""
     try:
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    except OSError as exc:
-        raise DeploymentError(f"cannot create {path.parent} for the kv-budget deployment record: "
-                              f"{exc.strerror or exc}") from exc
+        checked_dir(path.parent, CHOOSE_ANOTHER, shared)
+    except UnsafeRuntimeDirError as exc:
+        raise DeploymentError(str(exc)) from None
     with _locked(path):
         _write(path, record)
     return path

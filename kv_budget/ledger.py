@@ -16,6 +16,16 @@ processes that are gone (checked by pid and process start time, so a
 recycled pid does not keep a dead engine's reservation) are dropped when the
 file is next read.
 
+Whoever can write the ledger can make engines plan smaller or refuse to
+start (by recording reservations), never plan larger than their own device
+sample allows: an entry only ever takes bytes off. So the directory is
+checked (:mod:`kv_budget.runtime_files`: private to the engine's user unless
+the operator chose a shared one for a group), and each entry is checked on
+its own: one that is not what an engine writes (negative, huge or non-integer
+bytes, another device, a duplicate) is dropped with one warning per read,
+and a file that does not parse blocks its device only while a process it
+names still runs; otherwise it is set aside and the device planned afresh.
+
 The lock is never vLLM-Omni's ``/tmp/vllm_omni_device_<id>_init.lock``: its
 orchestrator holds that one while a stage starts, and taking it from inside
 the stage would deadlock. Locks are always taken in sorted device order, so
@@ -27,7 +37,9 @@ Entry point: :func:`open_ledger`.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import math
 import os
 import re
 import tempfile
@@ -39,10 +51,21 @@ from pathlib import Path
 import psutil
 
 from kv_budget.errors import KvBudgetError
-from kv_budget.runtime_files import exclusive_lock, write_atomically
+from kv_budget.log import logger
+from kv_budget.runtime_files import (
+    UnsafeRuntimeDirError,
+    checked_dir,
+    exclusive_lock,
+    read_head,
+    read_text,
+    remove_stale_temporaries,
+    write_atomically,
+)
 
 __all__ = [
     "LEDGER_DIR_ENV",
+    "MAX_ENTRIES",
+    "MAX_RESERVED_BYTES",
     "LedgerError",
     "Reservation",
     "LedgerSession",
@@ -54,6 +77,19 @@ __all__ = [
 
 LEDGER_DIR_ENV = "KV_BUDGET_LEDGER_DIR"
 """Overrides the default runtime directory (tests give each run its own)."""
+
+MAX_RESERVED_BYTES = 1 << 50
+"""The most one entry may reserve (1 PiB): more is no device's, so an entry
+above it is not one an engine wrote."""
+
+MAX_ENTRIES = 4096
+"""The most entries a ledger file may hold: each live engine keeps one per
+device; more means the file was not written by kv-budget."""
+
+CHOOSE_ANOTHER = (
+    f"choose another with --model-local-kv-ledger-dir or ${LEDGER_DIR_ENV}, or turn the ledger off "
+    "with --model-local-kv-ledger-dir off"
+)
 
 
 class LedgerError(KvBudgetError, RuntimeError):
@@ -113,9 +149,11 @@ class LedgerSession:
     other live processes are visible; this process's earlier ones (a second
     plan) and dead processes' are already dropped."""
 
-    def __init__(self, directory: Path, entries: dict[str, list[Reservation]]) -> None:
+    def __init__(self, directory: Path, entries: dict[str, list[Reservation]], shared: bool = False) -> None:
         self.directory = directory
         self._entries = entries
+        self.shared = shared
+        """A shared ledger: files are written for the directory's group."""
 
     def others(self, device: str) -> list[Reservation]:
         return list(self._entries[device])
@@ -130,48 +168,128 @@ class LedgerSession:
         entries = [*self._entries[device], mine]
         path = self.directory / f"{_file_stem(device)}.json"
         try:
-            write_atomically(path, json.dumps([asdict(e) for e in entries], indent=1))
+            write_atomically(path, json.dumps([asdict(e) for e in entries], indent=1), self.shared)
         except OSError as exc:
             raise LedgerError(f"cannot write the kv-budget ledger {path}: {exc.strerror or exc}") from exc
         self._entries[device] = entries[:-1]
         return mine
 
 
-def _read(path: Path, device: str) -> list[Reservation]:
-    """Live entries of other processes; an unreadable file is an error (a
-    ledger silently treated as empty would let two engines share bytes)."""
-    if not path.exists():
+def _entry_problem(item: object, device: str) -> str | None:
+    """Why ``item`` is not an entry an engine writes for ``device``; None where it is."""
+    if not isinstance(item, dict) or set(item) != {f for f in Reservation.__dataclass_fields__}:
+        return "not an entry of the ledger's fields"
+    if item["device"] != device:
+        return f"for another device ({str(item['device'])[:64]!r})"
+    checks = {
+        "pid": type(item["pid"]) is int and item["pid"] > 0,
+        "process_start": isinstance(item["process_start"], (int, float)) and math.isfinite(item["process_start"]),
+        "engine": isinstance(item["engine"], str) and len(item["engine"]) <= 1024,
+        "reserved_bytes": type(item["reserved_bytes"]) is int and 0 <= item["reserved_bytes"] <= MAX_RESERVED_BYTES,
+        "recorded_at": isinstance(item["recorded_at"], (int, float)) and math.isfinite(item["recorded_at"]),
+    }
+    bad = [name for name, ok in checks.items() if not ok]
+    return f"{bad[0]}={str(item[bad[0]])[:64]!r} is not what an engine records" if bad else None
+
+
+def _valid_entries(raw: list, path: Path, device: str) -> list[Reservation]:
+    """The entries an engine could have written, one per process (its
+    latest); the rest dropped with one warning naming the file."""
+    kept: dict[tuple[int, float], Reservation] = {}
+    dropped: list[str] = []
+    for item in raw:
+        problem = _entry_problem(item, device)
+        if problem is not None:
+            dropped.append(problem)
+            continue
+        entry = Reservation(**item)
+        key = (entry.pid, entry.process_start)
+        if key in kept:
+            dropped.append(f"a second entry of pid {entry.pid}")
+        if key not in kept or entry.recorded_at >= kept[key].recorded_at:
+            kept[key] = entry
+    if dropped:
+        logger.warning("the device ledger %s: %d entr%s dropped (first: %s); they reserve nothing", path,
+                       len(dropped), "y" if len(dropped) == 1 else "ies", dropped[0])
+    return list(kept.values())
+
+
+_NAMED_PROCESS = re.compile(r'"pid"\s*:\s*(\d+)\s*,\s*"process_start"\s*:\s*([0-9.eE+-]+)')
+
+
+def _set_aside_unless_live(path: Path, device: str, text: str, why: str) -> list[Reservation]:
+    """A ledger file that cannot be read as one: refused in one line while a
+    process it names still runs (its reservation would be lost), else moved
+    aside (``.corrupt-<time>``) with one warning, so it stops no engine."""
+    named = {(int(pid), float(start)) for pid, start in _NAMED_PROCESS.findall(text[:1 << 20])
+             if _is_number(start)}
+    live = sorted(pid for pid, start in named if process_alive(pid, start))
+    if live:
+        raise LedgerError(
+            f"the kv-budget ledger {path} cannot be read ({why}) and names running process(es) "
+            f"{', '.join(map(str, live))}; stop them, or remove the file once no engine runs on {device}")
+    aside = path.with_name(f"{path.name}.corrupt-{time.time_ns()}")
+    try:
+        os.replace(path, aside)
+    except OSError as exc:
+        raise LedgerError(f"the kv-budget ledger {path} cannot be read ({why}) nor moved aside "
+                          f"({exc.strerror or exc}); remove it") from exc
+    logger.warning("the device ledger %s could not be read (%s) and names no running process: moved to %s; "
+                   "%s is planned as if no other engine held it", path, why, aside.name, device)
+    return []
+
+
+def _is_number(text: str) -> bool:
+    try:
+        return math.isfinite(float(text))
+    except ValueError:
+        return False
+
+
+def _read(path: Path, device: str, shared: bool) -> list[Reservation]:
+    """Live entries of other processes. A file kv-budget may not open (a
+    link, a directory, another user's) is refused in one line naming it;
+    one that does not parse, see :func:`_set_aside_unless_live`."""
+    try:
+        text = read_text(path, shared)
+    except (OSError, UnicodeDecodeError) as exc:
+        if isinstance(exc, OSError) and exc.errno == errno.EFBIG:
+            return _set_aside_unless_live(path, device, read_head(path, 1 << 20, shared), str(exc.strerror))
+        raise LedgerError(f"the kv-budget ledger {path} cannot be used ({getattr(exc, 'strerror', None) or exc}); "
+                          f"remove it once no engine runs on {device}, or {CHOOSE_ANOTHER}") from None
+    if text is None:
         return []
     try:
-        raw = json.loads(path.read_text() or "[]")
-        entries = [Reservation(**item) for item in raw]
-    except (OSError, ValueError, TypeError) as exc:
-        raise LedgerError(
-            f"the kv-budget ledger {path} cannot be read ({exc}); remove it once no engine runs on {device}"
-        ) from exc
+        raw = json.loads(text or "[]")
+    except ValueError as exc:
+        return _set_aside_unless_live(path, device, text, f"not JSON: {exc}")
+    if not isinstance(raw, list) or len(raw) > MAX_ENTRIES:
+        why = "not a list of entries" if not isinstance(raw, list) else f"{len(raw):,} entries, over {MAX_ENTRIES:,}"
+        return _set_aside_unless_live(path, device, text, why)
     me = os.getpid()
-    return [e for e in entries if e.pid != me and process_alive(e.pid, e.process_start)]
+    return [e for e in _valid_entries(raw, path, device) if e.pid != me and process_alive(e.pid, e.process_start)]
 
 
 @contextlib.contextmanager
-def open_ledger(directory: Path, devices: list[str]) -> Iterator[LedgerSession]:
+def open_ledger(directory: Path, devices: list[str], shared: bool = False) -> Iterator[LedgerSession]:
     """Lock the ledgers of ``devices`` (sorted, so concurrent engines cannot
     deadlock), read them, and keep them locked until the block ends: plan
-    and :meth:`LedgerSession.record` inside it."""
+    and :meth:`LedgerSession.record` inside it. ``shared``: the directory is
+    an operator's for a group (:mod:`kv_budget.runtime_files`)."""
     try:
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        probe = directory / ".write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as exc:
-        raise LedgerError(
-            f"the kv-budget ledger directory {directory} cannot be used ({exc.strerror or exc}); "
-            f"choose another with --model-local-kv-ledger-dir or ${LEDGER_DIR_ENV}, or turn the ledger off "
-            "with --model-local-kv-ledger-dir off"
-        ) from exc
+        checked_dir(directory, CHOOSE_ANOTHER, shared)
+    except UnsafeRuntimeDirError as exc:
+        raise LedgerError(str(exc)) from None
     with contextlib.ExitStack() as stack:
         entries: dict[str, list[Reservation]] = {}
         for device in sorted(set(devices)):
-            stack.enter_context(exclusive_lock(directory / f"{_file_stem(device)}.lock"))
-            entries[device] = _read(directory / f"{_file_stem(device)}.json", device)
-        yield LedgerSession(directory, entries)
+            lock = directory / f"{_file_stem(device)}.lock"
+            try:
+                stack.enter_context(exclusive_lock(lock, shared))
+            except OSError as exc:
+                raise LedgerError(f"cannot lock the kv-budget ledger {lock} ({exc.strerror or exc}); "
+                                  f"remove it once no engine runs on {device}, or {CHOOSE_ANOTHER}") from None
+            path = directory / f"{_file_stem(device)}.json"
+            remove_stale_temporaries(path)
+            entries[device] = _read(path, device, shared)
+        yield LedgerSession(directory, entries, shared)

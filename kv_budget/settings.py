@@ -89,6 +89,11 @@ class ModelLocalKVSettings(BaseModel):
     default runtime directory; ``"off"``: plan alone, as if the device were
     this engine's only."""
 
+    ledger_shared: bool = False
+    """Whether the ledger directory is an operator's for a group, so engines
+    of several users on one device plan against one ledger
+    (:mod:`kv_budget.runtime_files`); off: private to this user."""
+
     share_bytes: int | None = None
     """This engine's share of the device headroom, leaving the rest to
     engines that start later (stages of one deployment on one GPU); None:
@@ -229,6 +234,13 @@ SETTINGS: tuple[Setting, ...] = (
         f"model-local bytes it reserved; later ones plan against what is left). '{LEDGER_OFF}' plans alone. "
         "Default: $KV_BUDGET_LEDGER_DIR, else $XDG_RUNTIME_DIR/kv-budget, else /tmp/kv-budget-UID.",
         _text_reader(f"a directory or '{LEDGER_OFF}'"),
+    ),
+    Setting(
+        "ledger_shared", "--model-local-kv-ledger-shared", None,
+        "on: the ledger directory is one an operator made for a group (set-group-ID, e.g. mode 2770, "
+        "this user in its group), so engines of several users on one device plan against one ledger; "
+        "off: the directory must be this user's alone. Default: off.",
+        _read_switch, choices=("on", "off"),
     ),
     Setting(
         "share_bytes", "--model-local-kv-share", "SIZE",

@@ -325,7 +325,7 @@ def final_deployment_plan(deployment: DeploymentPlanning, engine: EngineContext)
     plan = make_plan(workers, engine.configured_max_num_seqs, settings.policy)
     if settings.ledger_dir != LEDGER_OFF and plan.decision is not Decision.INFEASIBLE:
         keys = [device or "" for device in deployment.devices]
-        with open_ledger(ledger_directory(settings), keys) as ledger:
+        with open_ledger(ledger_directory(settings), keys, settings.ledger_shared) as ledger:
             recorded = _record_peaks(ledger, workers, keys, plan.effective_max_num_seqs, label)
         others = deployment.ledger.others if deployment.ledger is not None else []
         plan = plan.model_copy(update={"ledger": LedgerLine(directory=str(ledger_directory(settings)),
@@ -403,7 +403,7 @@ def _plan_on_shared_devices(
     directory = ledger_directory(settings)
     keys = [device or "" for device in devices]
     per_device = Counter(keys)
-    with open_ledger(directory, keys) as ledger:
+    with open_ledger(directory, keys, settings.ledger_shared) as ledger:
         same_deployment = deployment.pids() if deployment is not None else set()
         others_of = {device: [o for o in ledger.others(device) if o.pid not in same_deployment]
                      for device in per_device}
@@ -453,6 +453,6 @@ def record_in_ledger(settings: ModelLocalKVSettings, devices: list[str | None], 
     by_device: dict[str, int] = {}
     for device, size in zip(devices, reserved):
         by_device[device or ""] = by_device.get(device or "", 0) + size
-    with open_ledger(ledger_directory(settings), list(by_device)) as ledger:
+    with open_ledger(ledger_directory(settings), list(by_device), settings.ledger_shared) as ledger:
         for device, size in by_device.items():
             ledger.record(device, label, size)

@@ -87,10 +87,12 @@ def test_the_ledger_is_locked_while_an_engine_plans(tmp_path):
 def test_an_unusable_directory_or_file_is_a_clear_error(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    with pytest.raises(LedgerError, match="cannot be used.*--model-local-kv-ledger-dir"), open_ledger(blocker, [HOST]):
+    with pytest.raises(LedgerError, match="is not a directory; choose another with --model-local-kv-ledger-dir"), \
+            open_ledger(blocker, [HOST]):
         pass
-    (tmp_path / "host_test.json").write_text("{not json")
-    with pytest.raises(LedgerError, match="cannot be read"), open_ledger(tmp_path, [HOST]):
+    (tmp_path / "host_test.json").mkdir()  # a directory where the ledger file should be
+    with pytest.raises(LedgerError, match=r"host_test.json cannot be used .*is a directory, not a file\); remove it"), \
+            open_ledger(tmp_path, [HOST]):
         pass
 
 

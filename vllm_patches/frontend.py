@@ -214,7 +214,7 @@ class KvBudgetStatLogger(StatLoggerBase):
         if path is None:
             return 0
         try:
-            stat = path.stat()
+            stat = path.lstat()
         except FileNotFoundError:
             return 0
         seen = (stat.st_mtime_ns, stat.st_size)

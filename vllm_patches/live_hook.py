@@ -43,6 +43,7 @@ from typing import Any
 from kv_budget.deployment import DeploymentError, DeploymentPlanning
 from kv_budget.log import logger
 from kv_budget.plan.planner import Decision, Plan, WorkerBudget
+from kv_budget.runtime_files import UnsafeRuntimeDirError
 from kv_budget.sample.caches import HeldBytes, UnsupportedCacheError
 from kv_budget.sample.device import MemorySamplingError, ProcessPeak, sample_memory
 from kv_budget.sample.in_step import InStepTracker
@@ -415,7 +416,7 @@ class LiveHook:
         )
         try:
             write_status(self.status_dir, status)
-        except OSError as exc:
+        except (OSError, UnsafeRuntimeDirError) as exc:
             logger.warning("cannot write the status file in %s (%s); /metrics will not show this "
                            "engine's figures", self.status_dir, exc)
             self.status_dir = None

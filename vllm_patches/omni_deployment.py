@@ -201,12 +201,13 @@ def record_deployment(stage_plans: Any) -> Path | None:
     if measured is None:
         return None
     capacities, sources, headrooms = measured
-    ledger = next((c.ledger_dir for c in settings.values() if c.ledger_dir and c.ledger_dir != LEDGER_OFF), None)
+    chosen = next((c for c in settings.values() if c.ledger_dir and c.ledger_dir != LEDGER_OFF), None)
+    ledger, shared = (chosen.ledger_dir, chosen.ledger_shared) if chosen is not None else (None, False)
     pid, start = this_process()
     record = DeploymentRecord(driver_pid=pid, driver_start=start, stages=stages, planning=planning,
                               capacities=capacities, capacity_sources=sources, headrooms=headrooms)
     try:
-        path = create_deployment(deployment_path(Path(ledger) if ledger else default_ledger_dir()), record)
+        path = create_deployment(deployment_path(Path(ledger) if ledger else default_ledger_dir()), record, shared)
     except DeploymentError as exc:
         logger.warning("%s; the deployment is not split", exc)
         return None

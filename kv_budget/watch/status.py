@@ -31,7 +31,7 @@ from pydantic import BaseModel, ValidationError
 
 from kv_budget.deployment import StageSplit
 from kv_budget.plan.planner import Plan
-from kv_budget.runtime_files import write_atomically
+from kv_budget.runtime_files import checked_dir, read_text, write_atomically
 from kv_budget.stage import Stage
 from kv_budget.watch.live_state import LiveState
 
@@ -78,23 +78,35 @@ def stage_status_paths(directory: str | Path, engine_index: int | None = None,
     not known there). Named as :func:`status_path` names them."""
     index = "*" if engine_index is None else str(engine_index)
     staged = "stage*" if stage is None else stage.tag()
-    return sorted(Path(directory).glob(f"engine-{index}-{staged}-*.json"), key=lambda path: path.stat().st_mtime_ns)
+    found = []
+    for path in Path(directory).glob(f"engine-{index}-{staged}-*.json"):
+        try:
+            found.append((path.lstat().st_mtime_ns, path))
+        except FileNotFoundError:  # replaced between the listing and the look
+            continue
+    return [path for _, path in sorted(found)]
 
 
 def write_status(directory: str | Path, status: EngineStatus) -> Path:
-    """Write atomically (temporary file, then rename); return the path."""
+    """Write atomically (temporary file, then rename) in ``directory``,
+    created private where missing and refused where it is not this user's
+    alone (:func:`kv_budget.runtime_files.checked_dir`); return the path."""
     path = status_path(directory, status.model, status.engine_index, status.stage)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    checked_dir(path.parent, f"set ${STATUS_DIR_ENV} to a directory of this user's alone")
     write_atomically(path, status.model_dump_json())
     return path
 
 
 def read_status(path: str | Path) -> EngineStatus | None:
     """The status at ``path``; None when there is none yet. A file that is
-    not a status raises ``ValueError`` naming it: something else wrote there."""
+    not a status raises ``ValueError`` naming it: something else wrote there;
+    a link or a file kv-budget may not trust raises ``OSError``
+    (:func:`kv_budget.runtime_files.read_text`)."""
     try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
+        text = read_text(Path(path))
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a kv-budget engine status (not UTF-8)") from None
+    if text is None:
         return None
     try:
         return EngineStatus.model_validate(json.loads(text))
