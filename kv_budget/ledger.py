@@ -70,6 +70,7 @@ __all__ = [
     "Reservation",
     "LedgerSession",
     "default_ledger_dir",
+    "ledger_path",
     "open_ledger",
     "process_alive",
     "this_process",
@@ -128,6 +129,11 @@ def _file_stem(device: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", device)
 
 
+def ledger_path(directory: Path, device: str) -> Path:
+    """The ledger file of ``device`` in ``directory`` (its lock: the same with ``.lock``)."""
+    return directory / f"{_file_stem(device)}.json"
+
+
 def process_alive(pid: int, process_start: float) -> bool:
     """The same process still runs: same pid, same start time, not a zombie
     (a killed engine whose parent died stays a zombie in a container whose
@@ -166,7 +172,7 @@ class LedgerSession:
         pid, start = this_process()
         mine = Reservation(device, pid, start, engine, reserved_bytes, time.time())
         entries = [*self._entries[device], mine]
-        path = self.directory / f"{_file_stem(device)}.json"
+        path = ledger_path(self.directory, device)
         try:
             write_atomically(path, json.dumps([asdict(e) for e in entries], indent=1), self.shared)
         except OSError as exc:
@@ -189,7 +195,7 @@ def _entry_problem(item: object, device: str) -> str | None:
         "recorded_at": isinstance(item["recorded_at"], (int, float)) and math.isfinite(item["recorded_at"]),
     }
     bad = [name for name, ok in checks.items() if not ok]
-    return f"{bad[0]}={str(item[bad[0]])[:64]!r} is not what an engine records" if bad else None
+    return f"{bad[0]}={repr(item[bad[0]])[:64]} is not what an engine records" if bad else None
 
 
 def _valid_entries(raw: list, path: Path, device: str) -> list[Reservation]:
@@ -283,13 +289,13 @@ def open_ledger(directory: Path, devices: list[str], shared: bool = False) -> It
     with contextlib.ExitStack() as stack:
         entries: dict[str, list[Reservation]] = {}
         for device in sorted(set(devices)):
-            lock = directory / f"{_file_stem(device)}.lock"
+            path = ledger_path(directory, device)
+            lock = path.with_suffix(".lock")
             try:
                 stack.enter_context(exclusive_lock(lock, shared))
             except OSError as exc:
                 raise LedgerError(f"cannot lock the kv-budget ledger {lock} ({exc.strerror or exc}); "
                                   f"remove it once no engine runs on {device}, or {CHOOSE_ANOTHER}") from None
-            path = directory / f"{_file_stem(device)}.json"
             remove_stale_temporaries(path)
             entries[device] = _read(path, device, shared)
         yield LedgerSession(directory, entries, shared)

@@ -7,12 +7,20 @@ handle: A (share 64 MiB) starts alone, then B (share 32 MiB) on what A left;
 both are loaded together; C (no share) must not fit while both run, and its
 refusal is the infeasible plan's (not one sequence fits what is left); A is
 killed, and A starts again after B on what B leaves.
+
+Before A, a process that recorded 90 MiB in the ledger and was writing it
+again is SIGKILLed while it holds the ledger's lock: A must start as if it
+had never run (its lock gone with it, its entry dropped, its half-written
+temporary removed).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -21,6 +29,7 @@ from pathlib import Path
 import pytest
 from engine_support import HEADROOM, PER_SEQ
 
+from kv_budget.ledger import LEDGER_DIR_ENV, ledger_path
 from kv_budget.units import MiB
 from kv_budget_demo.demo import DemoServer
 from kv_budget_demo.serving import LoadResult, ServerStartError, send_completions
@@ -32,6 +41,34 @@ CAP_A = SHARE_A // PER_SEQ  # 60: A alone takes its share
 CAP_B = (HEADROOM - CAP_A * PER_SEQ) // PER_SEQ  # 30: what A left (and below B's share of 32 MiB)
 CAP_A_AFTER_B = min(SHARE_A, HEADROOM - CAP_B * PER_SEQ) // PER_SEQ  # 60: its share, within what B left
 LEFT_FOR_C = HEADROOM - (CAP_A + CAP_B) * PER_SEQ  # 393,216 B: less than one sequence
+
+
+CRASHING = """
+import os, sys, time
+from pathlib import Path
+from kv_budget.ledger import ledger_path, open_ledger
+directory, device = Path(sys.argv[1]), sys.argv[2]
+with open_ledger(directory, [device]) as ledger:
+    ledger.record(device, "pid %d: an engine killed mid-write" % os.getpid(), 90 * 2**20)
+    path = ledger_path(directory, device)
+    path.with_name(f".{path.name}.{os.getpid()}.tmp").write_text('[{"device": "' + device + '", "pid": ')
+    print("holding the lock", flush=True)
+    time.sleep(600)
+"""
+
+
+def _killed_holding_the_lock(directory: Path, device: str) -> tuple[int, Path]:
+    """A process that recorded 90 MiB, began rewriting the ledger and was
+    SIGKILLed holding its lock: its pid and the temporary it left."""
+    process = subprocess.Popen([sys.executable, "-c", CRASHING, str(directory), device], stdout=subprocess.PIPE,
+                               text=True)
+    assert process.stdout.readline().strip() == "holding the lock"
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=30)
+    path = ledger_path(directory, device)
+    temporary = path.with_name(f".{path.name}.{process.pid}.tmp")
+    assert temporary.exists() and str(process.pid) in path.read_text()
+    return process.pid, temporary
 
 
 def _shared_server(checkpoint: Path, workdir: Path, share: int | None) -> DemoServer:
@@ -63,15 +100,20 @@ class SharedRun:
     loads_after_kill: list[LoadResult]
     peaks_after_kill: list[int]
     """B's and the restarted A's peak bytes."""
+    crashed_pid: int
+    temporary_left: bool
+    """Whether the killed writer's temporary was still there once A had planned."""
 
 
 @pytest.fixture(scope="module")
 def shared(checkpoint, tmp_path_factory) -> SharedRun:
     root = tmp_path_factory.mktemp("shared")
+    crashed_pid, temporary = _killed_holding_the_lock(Path(os.environ[LEDGER_DIR_ENV]), f"host:{socket.gethostname()}")
     a = _shared_server(checkpoint, root / "a", SHARE_A)
     b = _shared_server(checkpoint, root / "b", SHARE_B)
     with ExitStack() as running:  # stops B, then A (killed by then), whatever fails
         running.enter_context(a.server)
+        temporary_left = temporary.exists()
         running.enter_context(b.server)
         loads = _load_together(checkpoint, [a, b])
         peaks = [a.peak()[0], b.peak()[0]]
@@ -86,7 +128,7 @@ def shared(checkpoint, tmp_path_factory) -> SharedRun:
             loads_after = _load_together(checkpoint, [b, again])
             peaks_after = [b.peak()[0], again.peak()[0]]
     return SharedRun(a.report(), b.report(), loads, peaks, refused.value.log, refused.value.returncode,
-                     again.report(), loads_after, peaks_after)
+                     again.report(), loads_after, peaks_after, crashed_pid, temporary_left)
 
 
 def test_engines_sharing_a_device_fit_its_headroom_together(shared):
@@ -101,6 +143,14 @@ def test_engines_sharing_a_device_fit_its_headroom_together(shared):
     assert run.a["ledger"]["recorded"][0]["reserved_bytes"] == CAP_A * PER_SEQ
     assert [r for _, r in _others(run.b)] == [CAP_A * PER_SEQ]
     assert f"minus {CAP_A * PER_SEQ:,} B reserved by other engines on this device" in run.b["headroom_source"]
+
+
+def test_an_engine_killed_holding_the_lock_mid_write_stops_no_later_start(shared):
+    """A planned as if the killed process had never run: its lock went with
+    it, its 90 MiB entry was dropped (a dead pid), its temporary removed."""
+    assert shared.a["ledger"]["others"] == [] and shared.a["effective_max_num_seqs"] == CAP_A
+    assert shared.crashed_pid not in [pid for pid, _ in _others(shared.b)]
+    assert not shared.temporary_left
 
 
 def test_a_third_engine_that_would_overcommit_the_device_refuses_to_start(shared):
