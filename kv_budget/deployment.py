@@ -37,7 +37,6 @@ of its own. Nothing here imports vLLM or vLLM-Omni.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import time
@@ -244,11 +243,11 @@ def _write(path: Path, record: DeploymentRecord) -> None:
 def _read(path: Path) -> DeploymentRecord:
     try:
         text = read_text(path)
-        if text is None:
-            raise FileNotFoundError(errno.ENOENT, "no such file")
-        record = DeploymentRecord.model_validate(json.loads(text))
+        record = None if text is None else DeploymentRecord.model_validate(json.loads(text))
     except (OSError, ValueError) as exc:
         raise DeploymentError(f"the kv-budget deployment record {path} cannot be read ({exc})") from exc
+    if record is None:
+        raise DeploymentError(f"the kv-budget deployment record {path} cannot be read (it does not exist)")
     live = [entry for entry in record.planned if process_alive(entry.pid, entry.process_start)]
     return record.model_copy(update={"planned": live})
 

@@ -183,7 +183,7 @@ class LedgerSession:
 
 def _entry_problem(item: object, device: str) -> str | None:
     """Why ``item`` is not an entry an engine writes for ``device``; None where it is."""
-    if not isinstance(item, dict) or set(item) != {f for f in Reservation.__dataclass_fields__}:
+    if not isinstance(item, dict) or set(item) != set(Reservation.__dataclass_fields__):
         return "not an entry of the ledger's fields"
     if item["device"] != device:
         return f"for another device ({str(item['device'])[:64]!r})"
@@ -258,10 +258,12 @@ def _read(path: Path, device: str, shared: bool) -> list[Reservation]:
     one that does not parse, see :func:`_set_aside_unless_live`."""
     try:
         text = read_text(path, shared)
-    except (OSError, UnicodeDecodeError) as exc:
-        if isinstance(exc, OSError) and exc.errno == errno.EFBIG:
+    except UnicodeDecodeError:
+        return _set_aside_unless_live(path, device, read_head(path, 1 << 20, shared), "not UTF-8")
+    except OSError as exc:
+        if exc.errno == errno.EFBIG:
             return _set_aside_unless_live(path, device, read_head(path, 1 << 20, shared), str(exc.strerror))
-        raise LedgerError(f"the kv-budget ledger {path} cannot be used ({getattr(exc, 'strerror', None) or exc}); "
+        raise LedgerError(f"the kv-budget ledger {path} cannot be used ({exc.strerror or exc}); "
                           f"remove it once no engine runs on {device}, or {CHOOSE_ANOTHER}") from None
     if text is None:
         return []

@@ -278,6 +278,14 @@ def test_a_corrupt_file_of_dead_processes_is_set_aside_and_blocks_nothing(tmp_pa
     assert aside.read_text().startswith('[{"device"')
 
 
+def test_a_file_of_dead_processes_that_is_not_utf8_is_set_aside_too(tmp_path, dead_pid, caplog):
+    directory = private(tmp_path)
+    ledger_path(directory, DEVICE).write_bytes(b"\xff" + json.dumps([entry(dead_pid, 1.0, 10**9)]).encode())
+    with caplog.at_level(logging.WARNING, logger="vllm.kv_budget"):
+        assert others(directory) == []
+    assert "could not be read (not UTF-8) and names no running process" in caplog.text
+
+
 def test_a_corrupt_file_naming_a_live_process_is_refused_in_one_line(tmp_path, live_process):
     directory = private(tmp_path)
     pid, start = live_process
