@@ -228,6 +228,12 @@ def measured_plan(stage: Stage, free: int, policy: str = "cap", sharers: int = 1
     return make_plan([worker], 256, policy)
 
 
+def default_margin_plan(stage: Stage, free: int):
+    """A plan on a sampled 4 GiB device, with the default margin (1 GiB)."""
+    headroom = headroom_from_free(free, 4 * 1024**3, "test device")
+    return make_plan([budget_worker(collect_model_local_kv_specs(stage), headroom, max_num_seqs=256)], 256, "cap")
+
+
 def device_sample(stage: Stage, scanner: HeldBytes, free: int, peak_excess: int | None = None) -> list[WorkerSample]:
     (one,) = sample(stage, scanner)
     device = DeviceFree(free_bytes=free, source="test device", peak_excess_bytes=peak_excess)
@@ -242,15 +248,16 @@ def held(stage: Stage, count: int) -> None:
 
 def test_under_cap_with_a_measured_headroom_the_limit_follows_what_the_device_holds():
     """The plan's 10 rests on a guess of what the engine adds under load.
-    Admission starts at what the default margin admits (here none: the
-    test device's default margin dwarfs it, so 1), and once as many are
-    held as the limit allows goes to what fits at the sequences' measured
-    cost: held + floor((free at the steps' peak - margin) / cost)."""
+    Admission starts at the first burst the device holds (here one: each
+    sequence is charged its share of the test device's 1 GiB default
+    margin), and once as many are held as the limit allows rises back to
+    the startup cap (it kept the whole margin) where the device holds it:
+    held + floor((free at the steps' peak - margin) / cost)."""
     stage = Stage(RequestTalker())
     plan = measured_plan(stage, MARGIN + 10 * ROW_BYTES)
     assert plan.effective_max_num_seqs == 10
     monitor, scanner = LiveMonitor(plan), HeldBytes(stage, ["talker"])
-    assert monitor.follows_device and monitor.limit == first_admission(plan) == 1 and monitor.ceiling == 256
+    assert monitor.follows_device and monitor.limit == first_admission(plan, 256).limit == 1 and monitor.ceiling == 256
     held(stage, 1)
     first = monitor.observe(device_sample(stage, scanner, MARGIN + 9 * ROW_BYTES), running=1, finished_unfreed=0,
                             completed=0, now=0.0)
@@ -277,48 +284,79 @@ def test_under_cap_with_a_measured_headroom_the_limit_follows_what_the_device_ho
     assert monitor.cost_per_seq == -(-10 * ROW_BYTES // 8) and monitor.memory_limit == 6 and idle.limit == 6
 
 
-def test_a_start_at_one_sequence_rises_to_what_the_device_holds_at_the_first_sample():
-    """Less is free than the default margin: the plan starts at one
-    sequence (the live margin leaves room), and the first sample with it
-    held takes the limit to what the device holds, past the startup figure
-    up to the configured max_num_seqs."""
+def test_a_start_under_the_default_margin_takes_a_first_burst_then_rises_keeping_twice_the_live_margin():
+    """Less is free than the default margin: the plan's cap is one sequence
+    (the live margin leaves room). Admission starts at the first burst the
+    device holds, each sequence charged its rows and its share of the
+    default margin (1 GiB / 256: what the engine adds under load, read per
+    sequence); once that burst is held whole, the limit rises to what the
+    device holds with twice the live margin kept (128 MiB), up to the
+    configured max_num_seqs."""
     stage = Stage(RequestTalker())
-    free = 128 * 1024**2 + 40 * ROW_BYTES
-    plan = measured_plan(stage, free, margin=None)
+    live_margin, share = 128 * 1024**2, 1024**3 // 256
+    free = 2 * live_margin + 40 * ROW_BYTES
+    plan = default_margin_plan(stage, free)
     assert plan.headroom_bytes == 0 and plan.effective_max_num_seqs == 1
     monitor, scanner = LiveMonitor(plan), HeldBytes(stage, ["talker"])
-    assert monitor.limit == 1 and monitor.ceiling == 256
+    burst = (free - live_margin) // (ROW_BYTES + share)
+    assert monitor.limit == monitor.first.limit == burst == 32 and monitor.ceiling == 256
+    assert (f"floor((free {free:,} B - live margin {live_margin:,} B - fixed and other engines' 0 B) / "
+            f"{ROW_BYTES + share:,} B per sequence [{ROW_BYTES:,} B declared + margin {1024**3:,} B / max_num_seqs "
+            f"256]) = 32") in monitor.first.how
+    held(stage, burst)
+    update = monitor.observe(device_sample(stage, scanner, free - burst * ROW_BYTES), running=burst,
+                             finished_unfreed=0, completed=0, now=0.0)
+    assert monitor.cost_per_seq == ROW_BYTES and monitor.memory_limit > 256
+    assert update.limit == burst + (free - burst * ROW_BYTES - 2 * live_margin) // ROW_BYTES == 40
+    assert "a rise keeps twice the live margin: 40; live limit 32 -> 40" in update.findings[0].message
+
+
+def test_before_the_first_burst_is_held_whole_its_cost_is_the_most_a_sequence_is_charged():
+    """A few sequences' average carries the engine's own growth (a fixed
+    cost spread over few): until the first burst is held whole it may lower
+    the burst's cost per sequence, never raise it."""
+    stage = Stage(RequestTalker())
+    live_margin, share = 128 * 1024**2, 1024**3 // 256
+    free = 2 * live_margin + 40 * ROW_BYTES
+    monitor, scanner = LiveMonitor(default_margin_plan(stage, free)), HeldBytes(stage, ["talker"])
     held(stage, 1)
-    update = monitor.observe(device_sample(stage, scanner, free - ROW_BYTES), running=1, finished_unfreed=0,
+    grown = 30 * 1024**2  # one sequence and the engine's first allocations
+    update = monitor.observe(device_sample(stage, scanner, free - grown), running=1, finished_unfreed=0,
                              completed=0, now=0.0)
-    assert update.limit == 1 + (free - ROW_BYTES - 128 * 1024**2) // ROW_BYTES == 40
+    assert monitor.cost_per_seq == ROW_BYTES + share
+    assert update.limit == monitor.memory_limit == 1 + (free - grown - live_margin) // (ROW_BYTES + share) == 25
+    assert "the burst's" in update.findings[0].message and "until 32 are held" in update.findings[0].message
 
 
 def test_the_default_margin_is_kept_only_in_part_while_serving_and_the_limit_may_pass_the_startup_cap():
-    """The default margin stands for what startup could not measure; once
-    the sequences' cost is measured the watch keeps an eighth of it (at
-    least 64 MiB), so the live limit may go past the startup cap, up to the
-    configured max_num_seqs. A smaller margin of the operator's is kept
-    whole, and admission starts at what the default one admits."""
+    """The default margin stands for what startup could not measure; the
+    first burst reads it per sequence and, once the sequences' cost is
+    measured, the watch keeps an eighth of it (at least 64 MiB), so the
+    live limit may go past the startup cap, up to the configured
+    max_num_seqs. A smaller margin of the operator's is kept whole, and the
+    first burst still reads the default one per sequence."""
     stage = Stage(RequestTalker())
     free = 1024**3 + 100 * ROW_BYTES
-    headroom = headroom_from_free(free, 4 * 1024**3, "test device")  # the default margin: 1 GiB
+    plan = default_margin_plan(stage, free)
+    headroom = plan.workers[0].headroom
     assert headroom.margin_bytes == headroom.default_margin_bytes == 1024**3 and not headroom.margin_given
     margin = live_margin_bytes(headroom)
     assert margin == 128 * 1024**2
-    plan = make_plan([budget_worker(collect_model_local_kv_specs(stage), headroom, max_num_seqs=256)], 256, "cap")
     assert plan.effective_max_num_seqs == 100
     monitor, scanner = LiveMonitor(plan), HeldBytes(stage, ["talker"])
-    assert monitor.limit == 100  # the default margin's own cap
-    held(stage, 100)
-    update = monitor.observe(device_sample(stage, scanner, free - 100 * ROW_BYTES), running=100, finished_unfreed=0,
-                             completed=0, now=0.0)
-    assert monitor.memory_limit == 100 + (free - 100 * ROW_BYTES - margin) // ROW_BYTES > 256
-    assert update.limit == 256 == monitor.ceiling  # past the startup cap, never past the configured max_num_seqs
+    burst = (free - margin) // (ROW_BYTES + 1024**3 // 256)
+    assert monitor.limit == burst == 223  # past the default margin's own cap of 100
+    held(stage, burst)
+    update = monitor.observe(device_sample(stage, scanner, free - burst * ROW_BYTES), running=burst,
+                             finished_unfreed=0, completed=0, now=0.0)
+    assert monitor.memory_limit == burst + (free - burst * ROW_BYTES - margin) // ROW_BYTES > 256
+    assert update.limit == 256 == monitor.ceiling  # never past the configured max_num_seqs
     small = headroom_from_free(free, 4 * 1024**3, "test device", 64 * 1024**2)
     assert small.margin_given and live_margin_bytes(small) == 64 * 1024**2  # the operator's margin is kept whole
     plan = make_plan([budget_worker(collect_model_local_kv_specs(stage), small, max_num_seqs=256)], 256, "cap")
-    assert plan.effective_max_num_seqs == 256 and first_admission(plan) == 100
+    first = first_admission(plan, 256)
+    assert plan.effective_max_num_seqs == 256 and first.limit == (free - 64 * 1024**2) // (ROW_BYTES + 1024**3 // 256)
+    assert first.limit == 239
 
 
 def test_warn_reports_what_the_device_holds_and_changes_nothing():

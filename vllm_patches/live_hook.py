@@ -297,9 +297,8 @@ class LiveHook:
 
     def _start(self, core: Any) -> None:
         """Before the first step: the workers count their peak from here,
-        and a monitor that follows the device starts its limit below the
-        startup cap where the operator's margin is smaller than the default
-        one (:func:`kv_budget.watch.live.first_admission`)."""
+        and a monitor that follows the device starts its limit at the first
+        burst the device holds (:func:`kv_budget.watch.live.first_admission`)."""
         self.started = True
         if self.watch_device:
             try:
@@ -312,14 +311,13 @@ class LiveHook:
         cap = monitor.plan.effective_max_num_seqs
         if monitor.limit < cap:
             self.limit_applied = apply_limit(core.scheduler, monitor.limit)
-            logger.warning(
-                "live: admission starts at %d, what the default margin admits, of the startup cap %d "
-                "(the operator's margin is smaller) and follows the device from the first sample, up to %d "
-                "(Scheduler.%s %d)", monitor.limit, cap, monitor.ceiling, checked_vllm().features.admission_limit,
-                self.limit_applied)
-        else:
-            logger.info("live: admission starts at the startup cap %d and follows the device from the "
-                        "first sample, up to %d", cap, monitor.ceiling)
+        elif monitor.limit > cap:
+            self.limit_applied = restore_limit(core.scheduler, monitor.limit, monitor.ceiling)
+        logger.warning(
+            "live: admission starts at %d (startup cap %d), the first burst the device holds with the margin read "
+            "per sequence [%s], and follows the device from the first sample, up to %d (Scheduler.%s %d)",
+            monitor.limit, cap, monitor.first.how, monitor.ceiling, checked_vllm().features.admission_limit,
+            getattr(core.scheduler, checked_vllm().features.admission_limit))
 
     def _stop_step_peaks(self, why: str) -> None:
         self.monitor.step_peaks = False

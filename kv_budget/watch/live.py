@@ -71,6 +71,8 @@ __all__ = [
     "DEAD_AFTER_COMPLETED",
     "MAX_SAMPLING_FRACTION",
     "first_admission",
+    "FirstAdmission",
+    "burst_cost_bytes",
     "device_following",
     "DeviceFree",
     "OwnerBytes",
@@ -131,22 +133,58 @@ def device_following(plan: Plan, may_pass_startup_cap: bool) -> tuple[bool, int]
     return follows, plan.configured_max_num_seqs if passes else plan.effective_max_num_seqs
 
 
-def first_admission(plan: Plan) -> int:
-    """Where a limit that follows the device starts: the startup cap, or,
-    where the operator's margin is smaller than the default one, what the
-    default margin admits (at least 1). Why: the default margin is the
-    guess of what the engine adds under load that covers the first burst of
-    requests; a smaller margin is taken once serving has measured it (an
-    operator's 128 MiB let 256 sequences in at once here, and the engine was
-    OOM-killed before a first sample)."""
-    start = plan.effective_max_num_seqs
+class FirstAdmission(BaseModel):
+    """Where a limit that follows the device starts (:func:`first_admission`)."""
+
+    limit: int
+    how: str
+    """The binding worker's arithmetic, for the log."""
+
+
+def first_admission(plan: Plan, ceiling: int) -> FirstAdmission:
+    """Where a limit that follows the device starts, before any sample: the
+    first burst the device holds, N where live margin + uncharged fixed + N
+    x :func:`burst_cost_bytes` <= free. The live margin is what the first
+    sample's bound keeps, so that sample does not lower the limit for want
+    of it. Why a burst near what the device holds, not the flat margin's
+    cap: a start low that rises admits waves of new sizes, and each leaves
+    the worker's allocator holding more per sequence than one wave of the
+    same total (docs/live.md has the figures). At least 1, at most
+    ``ceiling``."""
+    start = FirstAdmission(limit=ceiling, how=f"the ceiling {ceiling}")
     for worker in plan.workers:
         headroom = worker.headroom
-        short = max(headroom.default_margin_bytes - headroom.margin_bytes, 0) // headroom.sharers
-        if short and worker.per_seq_bytes:
-            fits = safe_max_num_seqs(headroom.bytes - short, worker.uncharged_fixed_bytes, worker.per_seq_bytes)
-            start = min(start, fits)
-    return max(start, 1)
+        cost = burst_cost_bytes(headroom, worker.per_seq_bytes, plan.configured_max_num_seqs)
+        if headroom.sampled_free_bytes is None or not cost:
+            continue
+        live = live_margin_bytes(headroom)
+        fixed = headroom.sharers * (worker.uncharged_fixed_bytes + headroom.reserved_by_others_bytes)
+        fits = max(headroom.sampled_free_bytes - live - fixed, 0) // cost
+        if fits < start.limit:
+            start = FirstAdmission(limit=max(fits, 1), how=(
+                f"rank {worker.rank}: floor((free {headroom.sampled_free_bytes:,} B - live margin {live:,} B "
+                f"- fixed and other engines' {fixed:,} B) / {cost:,} B per sequence "
+                f"[{_burst_cost_text(headroom, worker.per_seq_bytes, plan)}]) = {fits}"))
+    return start
+
+
+def burst_cost_bytes(headroom: Headroom, per_seq_bytes: int, configured_max_num_seqs: int) -> int:
+    """What one sequence of a first burst costs the device, before serving
+    has measured it: its declared bytes on each worker sharing the device
+    plus its share of the margin (the default one where the operator's is
+    smaller), which stands for what the engine adds under load at the
+    configured ``max_num_seqs``. 0 where nothing is declared per sequence."""
+    if not per_seq_bytes:
+        return 0
+    margin = max(headroom.margin_bytes, headroom.default_margin_bytes)
+    return headroom.sharers * per_seq_bytes + -(-margin // configured_max_num_seqs)
+
+
+def _burst_cost_text(headroom: Headroom, per_seq_bytes: int, plan: Plan) -> str:
+    """:func:`burst_cost_bytes`' arithmetic, for the log."""
+    margin = max(headroom.margin_bytes, headroom.default_margin_bytes)
+    shared = f"{headroom.sharers} x " if headroom.sharers > 1 else ""
+    return f"{shared}{per_seq_bytes:,} B declared + margin {margin:,} B / max_num_seqs {plan.configured_max_num_seqs}"
 
 
 class OwnerBytes(BaseModel):
@@ -323,6 +361,10 @@ class _DeviceBound(BaseModel):
 
     rank: int
     bound: int
+    rise: int
+    """What a rise may go to (:meth:`LiveMonitor._ramp`): the bound with
+    twice the live margin kept, or the startup cap where that is more (it
+    kept the whole margin); never past the bound."""
     cost: int | None
     how: str
     """The arithmetic, for the log."""
@@ -352,13 +394,17 @@ class LiveMonitor:
             worker.rank: {e.owner: _OwnerTrack(e) for e in owner_expectations(worker)} for worker in plan.workers
         }
         self.follows_device, self.ceiling = device_following(plan, past_startup_cap and resplit is None)
-        self.limit = first_admission(plan) if self.follows_device else plan.effective_max_num_seqs
+        self.first = first_admission(plan, self.ceiling) if self.follows_device else None
+        """Where the live limit started, with its arithmetic (:func:`first_admission`); None unless it follows."""
+        self.limit = self.first.limit if self.first is not None else plan.effective_max_num_seqs
         """The live limit (:meth:`observe`)."""
         self.bytes_limit = plan.effective_max_num_seqs
         """The startup value, lowered where the measured caches call for it; never raised."""
         self.memory_limit: int | None = None
         """What the devices hold at the sequences' measured cost
         (:meth:`_watch_memory`); None while none was read."""
+        self.rise_limit: int | None = None
+        """What a rise may go to at the last sample (:meth:`_ramp`); None while none was read."""
         self.cost_per_seq: int | None = None
         """The binding device's measured cost of one held sequence, at the last sample."""
         self._cost_at_most_held: dict[int, tuple[int, int]] = {}
@@ -429,7 +475,7 @@ class LiveMonitor:
             self._correct(new)
         watched = self._watch_memory(samples)
         if self.follows_device and self.memory_limit is not None:
-            limit = self._ramp(min(self.memory_limit, self.ceiling))
+            limit = min(self._ramp(self.memory_limit, self.rise_limit), self.ceiling)
         else:
             limit = min(self.bytes_limit, self.memory_limit or self.bytes_limit)
         if watched is not None:
@@ -445,17 +491,23 @@ class LiveMonitor:
                 self.peak_within_limit[rank] = max(self.peak_within_limit[rank], at_once)
         return LiveUpdate(findings=new, limit=limit if applies else None)
 
-    def _ramp(self, target: int) -> int:
-        """Lower at once; rise only while as many are held as the limit
-        allows (more fit and requests wait to be admitted), straight to
-        what the device holds: one wave of admissions, not several of
-        different sizes (measured on vLLM's CPU build: admitting in waves
-        of 15, 30, 60 left the worker's allocator holding about 60 % more
-        per sequence than one wave, and the limit stalled at 79 against
-        123 admitted at once)."""
-        if target <= self.limit or self.held < self.limit:
-            return min(target, self.limit)
-        return target
+    def _ramp(self, lower: int, rise: int) -> int:
+        """Lower at once, to what the device holds (``lower``); rise only
+        while as many are held as the limit allows (more fit and requests
+        wait to be admitted), straight to what the device holds with twice
+        the live margin kept, or back to the startup cap (``rise``): one
+        wave, and a margin for what it costs beyond the measured cost. Why: each wave of a new size leaves
+        the worker's allocator holding more per sequence than the sequences
+        measured so far (vLLM's CPU build: admitting in waves of 15, 30, 60
+        held about 60 % more per sequence than one wave; a rise by 10 past a
+        first wave of 137 took 36 MB more than their measured cost), and a
+        rise to the lowering bound itself left the limit see-sawing with
+        the device at its limit."""
+        if lower < self.limit:
+            return lower
+        if self.held < self.limit or rise <= self.limit:
+            return self.limit
+        return rise
 
     def _watch_memory(self, samples: list[WorkerSample]) -> _DeviceBound | None:
         """What the devices hold, from what is free on them: for each rank
@@ -474,10 +526,11 @@ class LiveMonitor:
                 continue
             bounds.append(self._device_bound(sample.rank, worker.headroom, sample.free))
         if not bounds:
-            self.memory_limit = self.cost_per_seq = None
+            self.memory_limit = self.rise_limit = self.cost_per_seq = None
             return None
         binding = min(bounds, key=lambda b: b.bound)
         self.memory_limit, self.cost_per_seq = binding.bound, binding.cost
+        self.rise_limit = min(b.rise for b in bounds)
         return binding
 
     def _device_bound(self, rank: int, headroom: Headroom, free: DeviceFree) -> _DeviceBound:
@@ -491,17 +544,33 @@ class LiveMonitor:
         if self.held >= most_held and self.held:
             self._cost_at_most_held[rank] = (self.held, measured)
             most_held, at_most = self.held, measured
-        cost = max(planned, measured, at_most)
+        burst = burst_cost_bytes(headroom, self.rank_per_seq_bytes(rank), self.plan.configured_max_num_seqs)
+        if self.first is not None and most_held < self.first.limit:
+            # Before the first wave was held whole, the measured average carries the engine's fixed growth
+            # over few sequences (30 MB for one 8 MiB sequence on vLLM's CPU build): it may lower the
+            # burst's cost, not raise it.
+            cost = max(planned, min(max(measured, at_most), burst))
+            basis = (f"the burst's {burst:,} B until {self.first.limit} are held, unless the most of {grown:,} B used "
+                     f"since startup / {self.held} held and {at_most:,} B at the most held ({most_held}) is less; "
+                     f"never under {planned:,} B declared")
+        else:
+            cost = max(planned, measured, at_most)
+            basis = (f"the most of {grown:,} B used since startup / {self.held} held, {at_most:,} B at the most held "
+                     f"({most_held}) and {planned:,} B declared")
         at_peak = f"{lowest:,} B free at the steps' peak ({free.free_bytes:,} B between steps - {excess:,} B above)"
         if cost:
             bound = self.held + (lowest - margin) // cost
+            rise = self.held + (lowest - 2 * margin) // cost
             how = (f"held {self.held} + floor(({at_peak} - live margin {margin:,} B) / {cost:,} B per sequence "
-                   f"[the most of {grown:,} B used since startup / {self.held} held, {at_most:,} B at the most held "
-                   f"({most_held}) and {planned:,} B declared])")
+                   f"[{basis}])")
         else:
             bound = self.held if lowest < margin else self.ceiling
+            rise = self.held if lowest < 2 * margin else self.ceiling
             how = f"nothing held or declared per sequence; {at_peak}, live margin {margin:,} B"
-        return _DeviceBound(rank=rank, bound=max(bound, 1), cost=cost or None, how=how, source=free.source)
+        # The startup cap kept the whole margin: a rise may always go back to it, never past what the device holds.
+        rise = min(max(rise, self.plan.effective_max_num_seqs), bound)
+        return _DeviceBound(rank=rank, bound=max(bound, 1), rise=max(rise, 1), cost=cost or None, how=how,
+                            source=free.source)
 
     def _memory_finding(self, new: list[Finding], device: _DeviceBound, limit: int) -> None:
         """One finding where the device moved the live limit (or, under
@@ -510,7 +579,8 @@ class LiveMonitor:
         if acting and limit < self.limit:
             kind, action = "memory-low", f"live limit {self.limit} -> {limit}; running requests finish, new ones wait"
         elif acting and limit > self.limit:
-            kind, action = "memory-room", f"live limit {self.limit} -> {limit}"
+            kind, action = "memory-room", (f"a rise keeps twice the live margin: {device.rise}; live limit "
+                                           f"{self.limit} -> {limit}")
         elif not acting and device.bound < self.limit:
             kind, action = "memory-low", f"what fits is {device.bound}; policy warn: nothing is changed"
         else:
