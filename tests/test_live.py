@@ -293,22 +293,22 @@ def test_a_start_under_the_default_margin_takes_a_first_burst_then_rises_keeping
     device holds with twice the live margin kept (128 MiB), up to the
     configured max_num_seqs."""
     stage = Stage(RequestTalker())
-    live_margin, share = 128 * 1024**2, 1024**3 // 256
+    live_margin, share = 128 * 1024**2, (1024**3 - 128 * 1024**2) // 256
     free = 2 * live_margin + 40 * ROW_BYTES
     plan = default_margin_plan(stage, free)
     assert plan.headroom_bytes == 0 and plan.effective_max_num_seqs == 1
     monitor, scanner = LiveMonitor(plan), HeldBytes(stage, ["talker"])
     burst = (free - live_margin) // (ROW_BYTES + share)
-    assert monitor.limit == monitor.first.limit == burst == 32 and monitor.ceiling == 256
+    assert monitor.limit == monitor.first.limit == burst == 36 and monitor.ceiling == 256
     assert (f"floor((free {free:,} B - live margin {live_margin:,} B - fixed and other engines' 0 B) / "
-            f"{ROW_BYTES + share:,} B per sequence [{ROW_BYTES:,} B declared + margin {1024**3:,} B / max_num_seqs "
-            f"256]) = 32") in monitor.first.how
+            f"{ROW_BYTES + share:,} B per sequence [{ROW_BYTES:,} B declared + (margin {1024**3:,} B - live margin "
+            f"{live_margin:,} B) / max_num_seqs 256]) = 36") in monitor.first.how
     held(stage, burst)
     update = monitor.observe(device_sample(stage, scanner, free - burst * ROW_BYTES), running=burst,
                              finished_unfreed=0, completed=0, now=0.0)
     assert monitor.cost_per_seq == ROW_BYTES and monitor.memory_limit > 256
     assert update.limit == burst + (free - burst * ROW_BYTES - 2 * live_margin) // ROW_BYTES == 40
-    assert "a rise keeps twice the live margin: 40; live limit 32 -> 40" in update.findings[0].message
+    assert "a rise keeps twice the live margin: 40; live limit 36 -> 40" in update.findings[0].message
 
 
 def test_before_the_first_burst_is_held_whole_its_cost_is_the_most_a_sequence_is_charged():
@@ -316,7 +316,7 @@ def test_before_the_first_burst_is_held_whole_its_cost_is_the_most_a_sequence_is
     cost spread over few): until the first burst is held whole it may lower
     the burst's cost per sequence, never raise it."""
     stage = Stage(RequestTalker())
-    live_margin, share = 128 * 1024**2, 1024**3 // 256
+    live_margin, share = 128 * 1024**2, (1024**3 - 128 * 1024**2) // 256
     free = 2 * live_margin + 40 * ROW_BYTES
     monitor, scanner = LiveMonitor(default_margin_plan(stage, free)), HeldBytes(stage, ["talker"])
     held(stage, 1)
@@ -324,8 +324,8 @@ def test_before_the_first_burst_is_held_whole_its_cost_is_the_most_a_sequence_is
     update = monitor.observe(device_sample(stage, scanner, free - grown), running=1, finished_unfreed=0,
                              completed=0, now=0.0)
     assert monitor.cost_per_seq == ROW_BYTES + share
-    assert update.limit == monitor.memory_limit == 1 + (free - grown - live_margin) // (ROW_BYTES + share) == 25
-    assert "the burst's" in update.findings[0].message and "until 32 are held" in update.findings[0].message
+    assert update.limit == monitor.memory_limit == 1 + (free - grown - live_margin) // (ROW_BYTES + share) == 29
+    assert "the burst's" in update.findings[0].message and "until 36 are held" in update.findings[0].message
 
 
 def test_the_default_margin_is_kept_only_in_part_while_serving_and_the_limit_may_pass_the_startup_cap():
@@ -344,8 +344,8 @@ def test_the_default_margin_is_kept_only_in_part_while_serving_and_the_limit_may
     assert margin == 128 * 1024**2
     assert plan.effective_max_num_seqs == 100
     monitor, scanner = LiveMonitor(plan), HeldBytes(stage, ["talker"])
-    burst = (free - margin) // (ROW_BYTES + 1024**3 // 256)
-    assert monitor.limit == burst == 223  # past the default margin's own cap of 100
+    burst = (free - margin) // (ROW_BYTES + (1024**3 - margin) // 256)
+    assert monitor.limit == burst == 255  # past the default margin's own cap of 100
     held(stage, burst)
     update = monitor.observe(device_sample(stage, scanner, free - burst * ROW_BYTES), running=burst,
                              finished_unfreed=0, completed=0, now=0.0)
@@ -355,8 +355,8 @@ def test_the_default_margin_is_kept_only_in_part_while_serving_and_the_limit_may
     assert small.margin_given and live_margin_bytes(small) == 64 * 1024**2  # the operator's margin is kept whole
     plan = make_plan([budget_worker(collect_model_local_kv_specs(stage), small, max_num_seqs=256)], 256, "cap")
     first = first_admission(plan, 256)
-    assert plan.effective_max_num_seqs == 256 and first.limit == (free - 64 * 1024**2) // (ROW_BYTES + 1024**3 // 256)
-    assert first.limit == 239
+    share = (1024**3 - 64 * 1024**2) // 256
+    assert plan.effective_max_num_seqs == 256 and first.limit == (free - 64 * 1024**2) // (ROW_BYTES + share) == 255
 
 
 def test_warn_reports_what_the_device_holds_and_changes_nothing():

@@ -171,20 +171,29 @@ def first_admission(plan: Plan, ceiling: int) -> FirstAdmission:
 def burst_cost_bytes(headroom: Headroom, per_seq_bytes: int, configured_max_num_seqs: int) -> int:
     """What one sequence of a first burst costs the device, before serving
     has measured it: its declared bytes on each worker sharing the device
-    plus its share of the margin (the default one where the operator's is
-    smaller), which stands for what the engine adds under load at the
-    configured ``max_num_seqs``. 0 where nothing is declared per sequence."""
+    plus its share of what the margin holds beyond the live margin. Why that
+    part: the margin (the default one where the operator's is smaller)
+    stands for what the engine adds under load at the configured
+    ``max_num_seqs`` and for what no sample sees coming; the live margin
+    keeps the second whole, the first grows with the sequences. At the
+    configured figure the burst is then the startup cap's own arithmetic.
+    0 where nothing is declared per sequence."""
     if not per_seq_bytes:
         return 0
-    margin = max(headroom.margin_bytes, headroom.default_margin_bytes)
-    return headroom.sharers * per_seq_bytes + -(-margin // configured_max_num_seqs)
+    return headroom.sharers * per_seq_bytes + -(-_growth_margin_bytes(headroom) // configured_max_num_seqs)
+
+
+def _growth_margin_bytes(headroom: Headroom) -> int:
+    """The part of the margin read per sequence (:func:`burst_cost_bytes`)."""
+    return max(max(headroom.margin_bytes, headroom.default_margin_bytes) - live_margin_bytes(headroom), 0)
 
 
 def _burst_cost_text(headroom: Headroom, per_seq_bytes: int, plan: Plan) -> str:
     """:func:`burst_cost_bytes`' arithmetic, for the log."""
     margin = max(headroom.margin_bytes, headroom.default_margin_bytes)
     shared = f"{headroom.sharers} x " if headroom.sharers > 1 else ""
-    return f"{shared}{per_seq_bytes:,} B declared + margin {margin:,} B / max_num_seqs {plan.configured_max_num_seqs}"
+    return (f"{shared}{per_seq_bytes:,} B declared + (margin {margin:,} B - live margin "
+            f"{live_margin_bytes(headroom):,} B) / max_num_seqs {plan.configured_max_num_seqs}")
 
 
 class OwnerBytes(BaseModel):
