@@ -8,6 +8,8 @@ largest (:func:`measure_cache_bytes`), or the declaration's arithmetic."""
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -171,6 +173,49 @@ def test_retained_caches_off_the_stack_are_added_from_the_sample_after_the_windo
     whole = peaks.with_untouched(untouched)
     assert whole.owners == {"talker": model.talker.largest, "keeper": 2 * ROW_BYTES}
     assert whole.peak_bytes == model.talker.largest + 2 * ROW_BYTES
+
+
+
+class LayerFillingTalker(StepTalker):
+    """Fills its step cache layer by layer from a tensor it makes per layer
+    and rebinds (the demo talker's way), and notes, once every layer is in,
+    whether the first layer's tensor is still alive."""
+
+    def forward(self, rows: int) -> None:
+        work = DynamicCache()
+        _forward(self.lm, work, rows)
+        postnet = DynamicCache()  # met at its first update, while `keys` is the first layer's
+        first = None
+        for layer in range(CONFIG.num_hidden_layers):
+            keys = torch.ones(rows, CONFIG.num_key_value_heads, 2, 16)
+            first = first or weakref.ref(keys)
+            postnet.update(keys, torch.ones_like(keys), layer)
+        self.first_layer_kept = first() is not None
+
+
+def test_watching_a_step_keeps_nothing_alive_the_model_let_go():
+    """Reading a frame's locals leaves a snapshot on it (CPython before
+    3.13) that would keep the first layer's tensor, already copied into the
+    cache, alive until the forward returns: the step would hold more
+    because it is watched."""
+    model = Model(LayerFillingTalker())
+    model(2)
+    assert model.talker.first_layer_kept is False  # unwatched: rebinding frees it
+    _, peaks = _watch(model, ["talker"], ((2,), {}))
+    assert peaks.caches == 2 and peaks.owners["talker"] > 0  # the window met both caches
+    assert model.talker.first_layer_kept is False
+
+
+def test_a_closed_window_keeps_no_cache_it_met():
+    """The caches a window reached through module attributes are let go
+    when it closes: a request's cache the model drops after the window is
+    freed then, not at the next window."""
+    model = Model(CopyingDecoder())
+    model("a")
+    _watch(model, ["talker"], (("b",), {}))
+    kept = weakref.ref(model.talker.kept.pop("a"))
+    gc.collect()
+    assert kept() is None
 
 
 # --- the verdicts ---

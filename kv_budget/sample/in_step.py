@@ -58,6 +58,7 @@ What it cannot see
 
 from __future__ import annotations
 
+import inspect
 import sys
 import time
 import weakref
@@ -77,6 +78,29 @@ modules: a vLLM worker's step is about 40 frames deep from the worker loop,
 a model's own nesting rarely 20."""
 
 _StorageKey = tuple[str, int | None, int]
+
+_SNAPSHOT_LOCALS = sys.version_info < (3, 13)
+"""Whether ``frame.f_locals`` of a function frame is a snapshot dict kept
+on the frame (CPython before 3.13; from 3.13 it is a view that holds
+nothing, PEP 667)."""
+
+
+def _release_locals_snapshot(frame: Any, local: Any) -> None:
+    """Empty the locals snapshot that reading ``frame.f_locals`` left on a
+    running function frame. Why: the snapshot keeps every value the frame
+    held at that moment until the frame returns, even after the function
+    rebinds or drops it, so watching a step would make the step hold more
+    (a model filling a cache layer by layer kept its first layer's
+    temporaries to the end: 1 MiB per sequence of the demo talker, about
+    10 % of the worker's growth under load, ``benchmarks/bench_memory_limit.py``).
+    The frame's variables are untouched: the next ``locals()`` or
+    ``f_locals`` fills the snapshot afresh, as a debugger's next event does.
+    A module or class body frame (not optimized) is left alone: its
+    ``f_locals`` is its namespace itself. What is lost: a function that
+    keeps the dict ``locals()`` returned and reads it after a watched cache
+    update in a callee sees it empty (CPython before 3.13 only)."""
+    if _SNAPSHOT_LOCALS and frame.f_code.co_flags & inspect.CO_OPTIMIZED and isinstance(local, dict):
+        local.clear()
 
 
 class InStepPeaks(BaseModel):
@@ -162,8 +186,11 @@ class InStepTracker:
         self._tracking = True
 
     def end(self) -> InStepPeaks:
-        """Close the window and return its peaks."""
+        """Close the window and return its peaks. The caches the window's
+        module attributes reached are let go here: held until the next
+        window, a finished request's cache would outlive its request."""
         self._tracking = False
+        self._attributes = {}
         return InStepPeaks(
             owners={owner: self._peak.get(owner, 0) for owner in self.owners},
             undeclared={owner: peak for owner, peak in self._peak.items() if owner not in self._declaring},
@@ -237,6 +264,7 @@ class InStepTracker:
                     paths = holders.setdefault(id(reached), [])
                     if path not in paths:
                         paths.append(path)
+            _release_locals_snapshot(frame, local)
             frame = frame.f_back
         found.setdefault(id(updated), updated)
         for key, cache in found.items():
