@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -307,3 +308,32 @@ def test_a_live_limit_past_the_startup_cap_raises_what_schedule_asserts_running_
     assert restore_limit(scheduler, 179, 256) == 179
     assert scheduler.max_num_running_reqs == 179 == getattr(scheduler, attribute)
     assert restore_limit(scheduler, 300, 256) == 256 == scheduler.max_num_running_reqs
+
+
+def test_the_engine_cores_wait_for_the_workers_answers_is_not_the_samples_cost():
+    """vLLM's message queue polls while the engine core waits for the
+    workers (a busy loop that yields): that CPU time follows the workers'
+    wall time, and counted as the sample's cost it would space the next
+    sample 200 times a worker's preemption later. The cost is the engine
+    core's own work and the slowest worker's reported CPU."""
+    from kv_budget.collect.model import Collection
+    from kv_budget.plan.planner import budget_worker, headroom_override, make_plan
+    from kv_budget.startup import EngineContext
+    from kv_budget.watch.live import LiveMeasurement
+    from vllm_patches.live_hook import LiveHook, LiveStart
+
+    def collective_rpc(method, args=()):
+        polled_until = time.thread_time() + 0.05
+        while time.thread_time() < polled_until:
+            pass
+        return [LiveMeasurement(rank=0, cpu_seconds=0.002).model_dump(mode="json")]
+
+    worker = budget_worker(Collection(specs=(), failures=()), headroom_override(1 << 30), max_num_seqs=8)
+    engine = EngineContext(settings=ModelLocalKVSettings(), configured_max_num_seqs=8, label="test", vllm_figures={})
+    scheduler = SimpleNamespace(running=[], finished_req_ids=set(), get_num_unfinished_requests=lambda: 0)
+    core = SimpleNamespace(scheduler=scheduler, collective_rpc=collective_rpc, engine_index=0)
+    hook = LiveHook(core, SimpleNamespace(model_config=SimpleNamespace(model="test")),
+                    LiveStart(plan=make_plan([worker], 8, "cap"), engine=engine))
+    hook.sample(core, now=0.0)
+    assert hook.monitor.samples == 1 and hook.stopped is None
+    assert 0.002 <= hook.monitor.last_sample_seconds < 0.03  # the 0.05 s spent polling is not in it

@@ -94,6 +94,18 @@ def _built_for(kept: tuple[tuple, Any] | None, cls: type, model: Any, *owners: l
     return kept
 
 
+def rpc_on_workers(core: Any, method: Any, args: tuple = ()) -> tuple[list[Any], float]:
+    """``core.collective_rpc(method, args=args)``'s answers, and the engine
+    core's CPU time spent waiting for them. Why apart: vLLM's message queue
+    polls while the engine core waits (a busy loop that yields), so that
+    time follows the workers' wall time (a worker another process preempted,
+    a collection in its garbage collector), not the engine core's own work;
+    each worker reports its own CPU time in its answer."""
+    before = time.thread_time()
+    answers = core.collective_rpc(method, args=args)
+    return answers, time.thread_time() - before
+
+
 def start_peak_on_worker(worker: Any) -> None:
     """Runs in every worker (``collective_rpc``) when live sampling begins:
     count this process's peak from now, so startup's own (weights, the
@@ -278,9 +290,9 @@ class LiveHook:
         scheduler = core.scheduler
         if scheduler.get_num_unfinished_requests() == 0 or not self.monitor.due(time.monotonic()):
             return
-        cpu = time.thread_time()
+        cpu, waited = time.thread_time(), 0.0
         try:
-            answers = core.collective_rpc(watch_step_on_worker, args=(self.owners_by_rank,))
+            answers, waited = rpc_on_workers(core, watch_step_on_worker, (self.owners_by_rank,))
             results = [WindowOpening.model_validate(answer) for answer in answers]
         except Exception as exc:  # noqa: BLE001 - a sample must never take the engine down
             results = [WindowOpening(rank=None, error=f"the RPC failed: {type(exc).__name__}: {exc}")]
@@ -293,7 +305,7 @@ class LiveHook:
                 pass
             return
         self.watching = True
-        self.watch_seconds = time.thread_time() - cpu + max(r.cpu_seconds for r in results)
+        self.watch_seconds = time.thread_time() - cpu - waited + max(r.cpu_seconds for r in results)
 
     def _start(self, core: Any) -> None:
         """Before the first step: the workers count their peak from here,
@@ -346,12 +358,11 @@ class LiveHook:
     def sample(self, core: Any, now: float) -> None:
         """One sample of every worker. A failure stops sampling with one
         warning; it never fails the step (the startup cap stays in force)."""
-        cpu = time.thread_time()
+        cpu, waited = time.thread_time(), 0.0
         opening, self.watching, self.watch_seconds = self.watch_seconds, False, 0.0
         try:
-            answers = core.collective_rpc(measure_on_worker,
-                                          args=(self.owners_by_rank, self.monitor.undeclared_holders(),
-                                                self.watch_device))
+            answers, waited = rpc_on_workers(
+                core, measure_on_worker, (self.owners_by_rank, self.monitor.undeclared_holders(), self.watch_device))
             results = [LiveMeasurement.model_validate(answer) for answer in answers]
         except Exception as exc:  # noqa: BLE001 - see the docstring
             results = [LiveMeasurement(rank=None, error=f"the sampling RPC failed: {type(exc).__name__}: {exc}")]
@@ -394,9 +405,10 @@ class LiveHook:
                 checked_vllm().features.admission_limit, self.limit_applied, update.limit,
             )
         # What the sample cost, in CPU time (a busy machine's waits are not its cost): opening the
-        # windows, the slowest worker's measuring (tracking inside the step included), the engine core's part.
+        # windows, the slowest worker's measuring (tracking inside the step included), the engine core's own
+        # part (not its wait for the answers: rpc_on_workers).
         workers = max((r.cpu_seconds for r in results), default=0.0)
-        self.monitor.note_cost(time.thread_time() - cpu + opening + workers)
+        self.monitor.note_cost(time.thread_time() - cpu - waited + opening + workers)
         if watched:
             self.monitor.tracking_seconds_total += max(r.step.seconds for r in results)
         self.write_status()

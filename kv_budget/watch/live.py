@@ -454,9 +454,10 @@ class LiveMonitor:
 
     def note_cost(self, seconds: float) -> None:
         """What the last sample cost, all told, in CPU time (the engine
-        core's and the slowest worker's: wall time on a busy machine would
-        count other processes' turns): it spaces the next one
-        (:data:`MAX_SAMPLING_FRACTION`)."""
+        core's own work and the slowest worker's: wall time on a busy
+        machine would count other processes' turns, and so would the engine
+        core's CPU while it polls for the workers' answers): it spaces the
+        next one (:data:`MAX_SAMPLING_FRACTION`)."""
         self.last_sample_seconds = seconds
         self.sample_seconds_total += seconds
 
