@@ -92,7 +92,7 @@ def _release_locals_snapshot(frame: Any, local: Any) -> None:
     rebinds or drops it, so watching a step would make the step hold more
     (a model filling a cache layer by layer kept its first layer's
     temporaries to the end: 1 MiB per sequence of the demo talker, about
-    10 % of the worker's growth under load, ``benchmarks/bench_memory_limit.py``).
+    10 % of the worker's growth under load, ``benchmarks/bench_watch_memory.py``).
     The frame's variables are untouched: the next ``locals()`` or
     ``f_locals`` fills the snapshot afresh, as a debugger's next event does.
     A module or class body frame (not optimized) is left alone: its
