@@ -175,7 +175,6 @@ def test_retained_caches_off_the_stack_are_added_from_the_sample_after_the_windo
     assert whole.peak_bytes == model.talker.largest + 2 * ROW_BYTES
 
 
-
 class LayerFillingTalker(StepTalker):
     """Fills its step cache layer by layer from a tensor it makes per layer
     and rebinds (the demo talker's way), and notes, once every layer is in,
