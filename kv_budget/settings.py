@@ -24,7 +24,7 @@ from kv_budget.override import OverrideError, parse_overrides
 from kv_budget.units import byte_size_argument, parse_byte_size, seconds_argument
 
 __all__ = [
-    "CONFIG_KEY", "DEFAULT_POLICY", "DEFAULT_SAMPLE_INTERVAL_S", "KNOWN_KEYS", "LEDGER_OFF", "SETTINGS",
+    "CONFIG_KEY", "COST_RECORD_OFF", "DEFAULT_POLICY", "DEFAULT_SAMPLE_INTERVAL_S", "KNOWN_KEYS", "LEDGER_OFF", "SETTINGS",
     "ModelLocalKVSettings", "Policy", "Setting", "settings_from_additional_config",
 ]
 
@@ -62,6 +62,9 @@ and catch leaks."""
 
 LEDGER_OFF = "off"
 """``ledger_dir`` value that turns the shared device ledger off."""
+
+COST_RECORD_OFF = "off"
+"""``cost_record_dir`` value that turns the cost record off."""
 
 DEFAULT_POLICY = Policy.CAP
 """Installing the plugin is the opt-in: a server that has it is protected
@@ -104,6 +107,12 @@ class ModelLocalKVSettings(BaseModel):
     where it cannot be measured (vLLM's CPU build has no device size); the
     driver splits the device between the stages from it. None: measured
     (NVML), or no split where nothing can be measured."""
+
+    cost_record_dir: str | None = None
+    """Where the live watch keeps what a held sequence cost this engine's
+    device, for the first burst of its next start
+    (:mod:`kv_budget.watch.cost_record`); None: the default runtime
+    directory; ``"off"``: neither read nor written."""
 
     sample_interval_s: float = DEFAULT_SAMPLE_INTERVAL_S
     """Seconds between live samples of model-local KV while serving
@@ -254,6 +263,13 @@ SETTINGS: tuple[Setting, ...] = (
         "(vLLM's CPU build); the stages on a device split what vLLM-Omni's admission terms leave of it. "
         "Default: measured by NVML on CUDA; elsewhere no split unless this or the headroom is given.",
         _read_bytes, flag_type=byte_size_argument,
+    ),
+    Setting(
+        "cost_record_dir", "--model-local-kv-cost-record", "DIR",
+        "Private directory where the live watch records what a held sequence cost the device, so the next start "
+        "of the same engine admits its first burst at that cost. 'off': neither read nor written. "
+        "Default: the ledger's default directory.",
+        _text_reader("a directory or 'off'"),
     ),
     Setting(
         "sample_interval_s", "--model-local-kv-sample-interval", "SECONDS",

@@ -17,6 +17,7 @@ from kv_budget.declare.spec import RowDriver, Scope
 from kv_budget.plan.planner import budget_worker, headroom_from_free, headroom_override, live_margin_bytes, make_plan
 from kv_budget.sample.caches import HeldBytes
 from kv_budget.sample.in_step import InStepPeaks
+from kv_budget.watch.cost_record import CostRecord, HeldCost
 from kv_budget.settings import Policy
 from kv_budget.watch.live import (
     DEAD_AFTER_COMPLETED,
@@ -288,27 +289,34 @@ def test_a_start_under_the_default_margin_takes_a_first_burst_then_rises_keeping
     """Less is free than the default margin: the plan's cap is one sequence
     (the live margin leaves room). Admission starts at the first burst the
     device holds, each sequence charged its rows and its share of the
-    default margin (1 GiB / 256: what the engine adds under load, read per
-    sequence); once that burst is held whole, the limit rises to what the
-    device holds with twice the live margin kept (128 MiB), up to the
+    default margin beyond the live margin ((1 GiB - 64 MiB) / 256: what the
+    engine adds under load, read per sequence); once that burst is held
+    whole, the limit rises to what the device holds with twice the live
+    margin kept (an eighth of what was free, at least 64 MiB), each
+    sequence added charged the burst's cost where that is more than the
+    measured one (a new wave costs more than the average held), up to the
     configured max_num_seqs."""
     stage = Stage(RequestTalker())
-    live_margin, share = 128 * 1024**2, (1024**3 - 128 * 1024**2) // 256
-    free = 2 * live_margin + 40 * ROW_BYTES
+    live_margin, share = 64 * 1024**2, (1024**3 - 64 * 1024**2) // 256
+    guess = ROW_BYTES + share
+    free = 2 * live_margin + 40 * guess
     plan = default_margin_plan(stage, free)
     assert plan.headroom_bytes == 0 and plan.effective_max_num_seqs == 1
+    assert live_margin_bytes(plan.workers[0].headroom) == live_margin  # free / 8 is under the floor
     monitor, scanner = LiveMonitor(plan), HeldBytes(stage, ["talker"])
-    burst = (free - live_margin) // (ROW_BYTES + share)
-    assert monitor.limit == monitor.first.limit == burst == 36 and monitor.ceiling == 256
-    assert (f"floor((free {free:,} B - live margin {live_margin:,} B - fixed and other engines' 0 B) / "
-            f"{ROW_BYTES + share:,} B per sequence [{ROW_BYTES:,} B declared + (margin {1024**3:,} B - live margin "
-            f"{live_margin:,} B) / max_num_seqs 256]) = 36") in monitor.first.how
+    burst = (free - live_margin) // guess
+    assert monitor.limit == monitor.first.limit == burst == 57 and monitor.ceiling == 256
+    assert monitor.first.cost_by_rank == {0: guess}
+    assert (f"(free {free:,} B - live margin {live_margin:,} B - fixed and other engines' 0 B) at "
+            f"{guess:,} B per sequence [{ROW_BYTES:,} B declared + (margin {1024**3:,} B - live margin "
+            f"{live_margin:,} B) / max_num_seqs 256] = 57") in monitor.first.how
     held(stage, burst)
     update = monitor.observe(device_sample(stage, scanner, free - burst * ROW_BYTES), running=burst,
                              finished_unfreed=0, completed=0, now=0.0)
     assert monitor.cost_per_seq == ROW_BYTES and monitor.memory_limit > 256
-    assert update.limit == burst + (free - burst * ROW_BYTES - 2 * live_margin) // ROW_BYTES == 40
-    assert "a rise keeps twice the live margin: 40; live limit 36 -> 40" in update.findings[0].message
+    assert update.limit == burst + (free - burst * ROW_BYTES - 2 * live_margin) // guess == 96
+    assert (f"a rise keeps twice the live margin at {guess:,} B per sequence added: 96; live limit 57 -> 96"
+            in update.findings[0].message)
 
 
 def test_before_the_first_burst_is_held_whole_its_cost_is_the_most_a_sequence_is_charged():
@@ -316,7 +324,7 @@ def test_before_the_first_burst_is_held_whole_its_cost_is_the_most_a_sequence_is
     cost spread over few): until the first burst is held whole it may lower
     the burst's cost per sequence, never raise it."""
     stage = Stage(RequestTalker())
-    live_margin, share = 128 * 1024**2, (1024**3 - 128 * 1024**2) // 256
+    live_margin, share = 64 * 1024**2, (1024**3 - 64 * 1024**2) // 256
     free = 2 * live_margin + 40 * ROW_BYTES
     monitor, scanner = LiveMonitor(default_margin_plan(stage, free)), HeldBytes(stage, ["talker"])
     held(stage, 1)
@@ -324,8 +332,8 @@ def test_before_the_first_burst_is_held_whole_its_cost_is_the_most_a_sequence_is
     update = monitor.observe(device_sample(stage, scanner, free - grown), running=1, finished_unfreed=0,
                              completed=0, now=0.0)
     assert monitor.cost_per_seq == ROW_BYTES + share
-    assert update.limit == monitor.memory_limit == 1 + (free - grown - live_margin) // (ROW_BYTES + share) == 29
-    assert "the burst's" in update.findings[0].message and "until 36 are held" in update.findings[0].message
+    assert update.limit == monitor.memory_limit == 1 + (free - grown - live_margin) // (ROW_BYTES + share) == 10
+    assert "the burst's" in update.findings[0].message and "until 17 are held" in update.findings[0].message
 
 
 def test_the_default_margin_is_kept_only_in_part_while_serving_and_the_limit_may_pass_the_startup_cap():
@@ -507,3 +515,56 @@ def test_where_others_count_on_the_startup_figure_the_limit_follows_the_device_o
     for monitor in (ledgered, split):
         assert monitor.follows_device and monitor.limit == 1 and monitor.ceiling == 10
     assert LiveMonitor(plan).ceiling == 256
+
+
+def _record(most_held: int, cost: int) -> CostRecord:
+    return CostRecord(engine={"model": "m"}, ranks={0: HeldCost(most_held=most_held, cost_per_seq_bytes=cost)},
+                      written_at=0.0)
+
+
+def test_an_earlier_serve_of_this_engine_sets_the_first_bursts_cost():
+    """The first burst is admitted at the cost an earlier serve measured
+    (an average at the most it held, which carries the engine's growth, so
+    it may be extrapolated upward); where the room holds fewer than were
+    measured, those given up are charged their declared bytes only; a record
+    of fewer sequences than the guess admits only lowers the guess."""
+    stage = Stage(RequestTalker())
+    free, live_margin = 400 * 1024**2, 64 * 1024**2
+    plan = default_margin_plan(stage, free)
+    guess = ROW_BYTES + (1024**3 - live_margin) // 256
+    room = free - live_margin
+    assert first_admission(plan, 256).limit == room // guess == 89
+    measured = 2 * 1024**2
+    first = first_admission(plan, 256, _record(100, measured))
+    assert first.limit == room // measured == 168 and first.cost_by_rank == {0: measured}
+    assert f"at {measured:,} B per sequence [measured by an earlier serve of this engine with 100 held] = 168" in first.how
+    assert LiveMonitor(plan, remembered=_record(80, measured)).limit == 168
+    short = first_admission(plan, 256, _record(200, measured))
+    deficit = 200 * measured - room
+    assert short.limit == max(200 - -(-deficit // ROW_BYTES), 1) == 1  # a 5,120 B sequence frees little
+    assert f"fewer than 200 fit, so 200 - ceil({deficit:,} B short / {ROW_BYTES:,} B declared" in short.how
+    light = first_admission(plan, 256, _record(10, 8 * 1024**2))  # ten held, the fixed growth over few
+    assert light.limit == 89 and light.cost_by_rank == {0: guess}
+    assert first_admission(plan, 256, _record(10, measured)).limit == 168  # it may lower the guess
+
+
+def test_the_cost_worth_recording_is_the_one_at_the_most_held_never_a_lighter_serves():
+    stage = Stage(RequestTalker())
+    free = 400 * 1024**2
+    plan = default_margin_plan(stage, free)
+    monitor, scanner = LiveMonitor(plan), HeldBytes(stage, ["talker"])
+    assert monitor.cost_to_record() is None  # nothing measured yet
+    held(stage, 30)
+    grown = 30 * 3 * 1024**2
+    monitor.observe(device_sample(stage, scanner, free - grown), running=30, finished_unfreed=0, completed=0, now=0.0)
+    assert monitor.cost_to_record() == {0: HeldCost(most_held=30, cost_per_seq_bytes=3 * 1024**2)}
+    assert monitor.cost_to_record() is None  # unchanged since written
+    lighter = LiveMonitor(plan, remembered=_record(60, 2 * 1024**2))
+    lighter.observe(device_sample(stage, scanner, free - grown), running=30, finished_unfreed=0, completed=0, now=0.0)
+    assert lighter.cost_to_record() is None  # 30 held does not replace a record of 60
+    explicit = make_plan([budget_worker(collect_model_local_kv_specs(stage), headroom_override(free),
+                                        max_num_seqs=256)], 256, "cap")
+    exact = LiveMonitor(explicit, remembered=_record(60, 2 * 1024**2))
+    assert exact.first is None and exact.limit == explicit.effective_max_num_seqs  # an exact headroom: no burst
+    exact.observe(sample(stage, scanner), running=30, finished_unfreed=0, completed=0, now=0.0)
+    assert exact.cost_to_record() is None

@@ -100,21 +100,23 @@ def test_a_default_margin_larger_than_what_is_free_starts_at_one_sequence_where_
     per_seq = 4096 * ROW  # 2 MiB
     free = 400 * MiB
     headroom = headroom_from_free(free, 3 * GiB, "test device")
-    assert headroom.bytes == 0 and live_margin_bytes(headroom) == 128 * MiB
+    assert headroom.bytes == 0 and live_margin_bytes(headroom) == 64 * MiB  # an eighth of 400 MiB is under the floor
+    assert live_margin_bytes(headroom_from_free(800 * MiB, 3 * GiB, "test device")) == 100 * MiB  # an eighth
+    assert live_margin_bytes(headroom_from_free(4 * GiB, 3 * GiB, "test device")) == 128 * MiB  # of the margin
     worker = budget_worker(collection(spec("kv", 4096)), headroom)
     plan = make_plan([worker], 256, "cap")
     assert plan.decision is Decision.CAPPED and plan.effective_max_num_seqs == plan.safe_max_num_seqs == 1
     one = plan.constraints[-1]
     assert one.name == "one sequence until measured on rank 0" and one.value == 1
-    assert f"live margin {128 * MiB:,} B leaves {free - 128 * MiB:,} B" in one.detail
+    assert f"live margin {64 * MiB:,} B leaves {free - 64 * MiB:,} B" in one.detail
     assert min(c.value for c in plan.constraints) == plan.effective_max_num_seqs
     given = headroom_from_free(free, 3 * GiB, "test device", GiB)
     assert make_plan([budget_worker(collection(spec("kv", 4096)), given)], 256, "cap").decision is Decision.INFEASIBLE
-    scarce = headroom_from_free(128 * MiB + per_seq - 1, 3 * GiB, "test device")
+    scarce = headroom_from_free(64 * MiB + per_seq - 1, 3 * GiB, "test device")
     assert make_plan([budget_worker(collection(spec("kv", 4096)), scarce)], 256, "cap").decision is Decision.INFEASIBLE
-    taken = shared_budget(worker, free - 128 * MiB - per_seq + 1, "engine 1")
+    taken = shared_budget(worker, free - 64 * MiB - per_seq + 1, "engine 1")
     assert taken.safe_max_num_seqs == 0
-    assert shared_budget(worker, free - 128 * MiB - per_seq, "engine 1").safe_max_num_seqs == 1
+    assert shared_budget(worker, free - 64 * MiB - per_seq, "engine 1").safe_max_num_seqs == 1
     assert shared_budget(worker, 0, "", share_bytes=per_seq).safe_max_num_seqs == 0
 
 

@@ -120,7 +120,8 @@ def _engine_args(*argv: str):
 def test_flags_appear_once_on_vllms_parser_with_choices():
     parser = add_flags(_serve_parser())  # adding again must not duplicate the group
     flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--model-local-kv")]
-    assert sorted(flags) == ["--model-local-kv-declarations", "--model-local-kv-device-memory",
+    assert sorted(flags) == ["--model-local-kv-cost-record", "--model-local-kv-declarations",
+                             "--model-local-kv-device-memory",
                              "--model-local-kv-headroom",
                              "--model-local-kv-ledger-dir", "--model-local-kv-ledger-shared", "--model-local-kv-margin",
                              "--model-local-kv-override", "--model-local-kv-policy", "--model-local-kv-report",

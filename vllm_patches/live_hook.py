@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kv_budget import __version__ as kv_budget_version
 from kv_budget.deployment import DeploymentError, DeploymentPlanning
 from kv_budget.log import logger
 from kv_budget.plan.planner import Decision, Plan, WorkerBudget
@@ -47,8 +48,10 @@ from kv_budget.runtime_files import UnsafeRuntimeDirError
 from kv_budget.sample.caches import HeldBytes, UnsupportedCacheError
 from kv_budget.sample.device import MemorySamplingError, ProcessPeak, sample_memory
 from kv_budget.sample.in_step import InStepTracker
-from kv_budget.settings import LEDGER_OFF, Policy
+from kv_budget.settings import COST_RECORD_OFF, LEDGER_OFF, Policy
+from kv_budget.stage import Stage
 from kv_budget.startup import EngineContext, final_deployment_plan
+from kv_budget.watch.cost_record import cost_record_directory, cost_record_path, read_cost_record, write_cost_record
 from kv_budget.watch.live import (
     WATCHED_POLICIES,
     DeviceFree,
@@ -56,6 +59,7 @@ from kv_budget.watch.live import (
     LiveMonitor,
     OwnerBytes,
     WindowOpening,
+    device_following,
 )
 from kv_budget.watch.status import STATUS_DIR_ENV, EngineStatus, write_status
 import vllm_patches.cache_updates as cache_updates
@@ -227,15 +231,52 @@ class LiveStart:
     """This stage's side of its vLLM-Omni deployment; None in plain vLLM and under ``reserve``."""
 
 
+def engine_fingerprint(vllm_config: Any, plan: Plan, stage: Stage | None) -> dict[str, str]:
+    """What makes a sequence cost this engine's device what it does, as the
+    cost record keys it (:mod:`kv_budget.watch.cost_record`): the model and
+    its dtype, the lengths and batch limits vLLM sized its buffers for, the
+    parallel layout, the declared bytes per sequence on each rank, the
+    stage, and the versions of vLLM and kv-budget. Not the device's free
+    memory: the cost per sequence does not depend on the room."""
+    model, scheduler, parallel = vllm_config.model_config, vllm_config.scheduler_config, vllm_config.parallel_config
+    return {
+        "model": str(model.model),
+        "revision": str(getattr(model, "revision", None)),
+        "dtype": str(model.dtype),
+        "max_model_len": str(model.max_model_len),
+        "max_num_seqs": str(plan.configured_max_num_seqs),
+        "max_num_batched_tokens": str(scheduler.max_num_batched_tokens),
+        "tensor_parallel_size": str(parallel.tensor_parallel_size),
+        "pipeline_parallel_size": str(parallel.pipeline_parallel_size),
+        "declared_per_seq_bytes": " ".join(f"rank {w.rank}: {w.per_seq_bytes}" for w in plan.workers),
+        "stage": stage.label() if stage is not None else "",
+        "vllm": checked_vllm().version,
+        "kv_budget": kv_budget_version,
+    }
+
+
 class LiveHook:
     """One engine core's live sampling, between its steps."""
 
     def __init__(self, core: Any, vllm_config: Any, start: LiveStart) -> None:
         plan, settings, planning = start.plan, start.engine.settings, start.planning
         self.planning = planning
+        follows, _ = device_following(plan, False)
+        if not follows and settings.cost_record_dir not in (None, COST_RECORD_OFF):
+            logger.warning("cost_record_dir (--model-local-kv-cost-record) applies where the live limit follows the "
+                           "device (cap with a measured headroom); this engine ignores it")
+        self.cost_record_dir = cost_record_directory(settings.cost_record_dir) if follows else None
+        """Where this engine's measured cost per sequence is kept for its next start; None: off, or the
+        limit does not follow the device (an operator's exact headroom, ``warn``, ``reserve``)."""
+        self.fingerprint = engine_fingerprint(vllm_config, plan, start.engine.stage) if self.cost_record_dir else {}
+        remembered = read_cost_record(self.cost_record_dir, self.fingerprint) if self.cost_record_dir else None
         self.monitor = LiveMonitor(plan, settings.sample_interval_s, settings.step_peaks,
                                    self._resplit if planning is not None else None,
-                                   past_startup_cap=settings.ledger_dir == LEDGER_OFF)
+                                   past_startup_cap=settings.ledger_dir == LEDGER_OFF, remembered=remembered)
+        self.remembered_from = "" if remembered is None else (
+            f" (cost record {cost_record_path(self.cost_record_dir, self.fingerprint)}, written "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S %Z', time.localtime(remembered.written_at))})")
+        """Where the first burst's measured cost came from, for the log; empty where it is the guess."""
         self.stage = start.engine.stage
         self.overrides = list(start.overrides)
         """The overrides that applied here, as the workers filtered them for the stage."""
@@ -326,10 +367,10 @@ class LiveHook:
         elif monitor.limit > cap:
             self.limit_applied = restore_limit(core.scheduler, monitor.limit, monitor.ceiling)
         logger.warning(
-            "live: admission starts at %d (startup cap %d), the first burst the device holds with the margin read "
-            "per sequence [%s], and follows the device from the first sample, up to %d (Scheduler.%s %d)",
-            monitor.limit, cap, monitor.first.how, monitor.ceiling, checked_vllm().features.admission_limit,
-            getattr(core.scheduler, checked_vllm().features.admission_limit))
+            "live: admission starts at %d (startup cap %d), the first burst the device holds [%s]%s, and follows "
+            "the device from the first sample, up to %d (Scheduler.%s %d)",
+            monitor.limit, cap, monitor.first.how, self.remembered_from, monitor.ceiling,
+            checked_vllm().features.admission_limit, getattr(core.scheduler, checked_vllm().features.admission_limit))
 
     def _stop_step_peaks(self, why: str) -> None:
         self.monitor.step_peaks = False
@@ -391,6 +432,7 @@ class LiveHook:
         )
         for finding in update.findings:
             logger.warning("live: %s", finding.message)
+        self.record_cost()
         if self.parks_requests and (kept := self.monitor.kept_by_undeclared()):
             self.parks_requests = False  # one switch, one line
             count_parked_in_scheduler(scheduler, self.monitor.plan.policy, kept, self.stage)
@@ -412,6 +454,20 @@ class LiveHook:
         if watched:
             self.monitor.tracking_seconds_total += max(r.step.seconds for r in results)
         self.write_status()
+
+    def record_cost(self) -> None:
+        """Keep what a held sequence cost, where it is worth keeping
+        (:meth:`kv_budget.watch.live.LiveMonitor.cost_to_record`), for this
+        engine's next start; a record that cannot be written turns the
+        record off with one warning, and sampling goes on."""
+        if self.cost_record_dir is None or (costs := self.monitor.cost_to_record()) is None:
+            return
+        try:
+            write_cost_record(self.cost_record_dir, self.fingerprint, costs)
+        except (OSError, UnsafeRuntimeDirError) as exc:
+            logger.warning("live: the cost record in %s cannot be written (%s); the next start admits its first "
+                           "burst at the declared bytes and the margin", self.cost_record_dir, exc)
+            self.cost_record_dir = None
 
     def write_status(self) -> None:
         """Rewrite the status file; one that cannot be written turns the

@@ -93,7 +93,8 @@ def default_margin_bytes(total_bytes: int) -> int:
 
 
 LIVE_MARGIN_FRACTION = Fraction(1, 8)
-"""The part of the default margin the live watch keeps (:func:`live_margin_bytes`)."""
+"""The part of the default margin, or of what was free at startup, the live
+watch keeps (:func:`live_margin_bytes`)."""
 
 LIVE_MARGIN_FLOOR_BYTES = 64 * 1024 * 1024
 """The least the live watch keeps free of a measured headroom while serving."""
@@ -127,16 +128,21 @@ class Headroom(BaseModel):
 
 def live_margin_bytes(headroom: Headroom) -> int:
     """What the live watch keeps free on a device: the whole margin where
-    the operator set it; else an eighth of the default margin, at least
+    the operator set it; else an eighth of the default margin or of what
+    was free at startup, whichever is less, at least
     :data:`LIVE_MARGIN_FLOOR_BYTES` and never more than the margin. Why less
     than at startup: the default margin stands for what startup could not
     measure (the engine's own growth under load); serving, the device is
     read every sample and the sequences' measured cost takes that part, so
     the margin is left to cover what a sample cannot see coming (another
-    process, an estimate a step later proves short)."""
+    process, an estimate a step later proves short). Why scaled to what was
+    free: that part grows with what is admitted, and a small room admits
+    few (a container with 400 MB left would keep a third of it)."""
     if headroom.margin_given:
         return headroom.margin_bytes
     part = int(headroom.margin_bytes * LIVE_MARGIN_FRACTION)
+    if headroom.sampled_free_bytes is not None:
+        part = min(part, int(headroom.sampled_free_bytes * LIVE_MARGIN_FRACTION))
     return min(headroom.margin_bytes, max(part, LIVE_MARGIN_FLOOR_BYTES))
 
 

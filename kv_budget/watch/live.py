@@ -64,6 +64,7 @@ from pydantic import BaseModel
 from kv_budget.declare.spec import RowDriver, Scope
 from kv_budget.plan.planner import Charge, Headroom, Plan, WorkerBudget, live_margin_bytes, safe_max_num_seqs
 from kv_budget.sample.in_step import InStepPeaks
+from kv_budget.watch.cost_record import CostRecord, HeldCost
 from kv_budget.settings import DEFAULT_SAMPLE_INTERVAL_S, Policy
 from kv_budget.watch.live_state import Finding, LiveState, OwnerLive, RankLive, Verdict
 
@@ -72,6 +73,7 @@ __all__ = [
     "MAX_SAMPLING_FRACTION",
     "first_admission",
     "FirstAdmission",
+    "remembered_burst",
     "burst_cost_bytes",
     "device_following",
     "DeviceFree",
@@ -139,33 +141,72 @@ class FirstAdmission(BaseModel):
     limit: int
     how: str
     """The binding worker's arithmetic, for the log."""
+    cost_by_rank: dict[int, int] = {}
+    """Per rank, what one sequence of the burst was charged: until the burst
+    is held whole, a sample's measured average may lower it, not raise it."""
 
 
-def first_admission(plan: Plan, ceiling: int) -> FirstAdmission:
+def first_admission(plan: Plan, ceiling: int, remembered: CostRecord | None = None) -> FirstAdmission:
     """Where a limit that follows the device starts, before any sample: the
     first burst the device holds, N where live margin + uncharged fixed + N
-    x :func:`burst_cost_bytes` <= free. The live margin is what the first
+    x the cost of one sequence <= free. The live margin is what the first
     sample's bound keeps, so that sample does not lower the limit for want
     of it. Why a burst near what the device holds, not the flat margin's
     cap: a start low that rises admits waves of new sizes, and each leaves
     the worker's allocator holding more per sequence than one wave of the
-    same total (docs/live.md has the figures). At least 1, at most
-    ``ceiling``."""
+    same total (docs/live.md has the figures). The cost of one sequence is
+    :func:`remembered_burst` where this engine served before, else
+    :func:`burst_cost_bytes`. At least 1, at most ``ceiling``."""
     start = FirstAdmission(limit=ceiling, how=f"the ceiling {ceiling}")
+    costs: dict[int, int] = {}
     for worker in plan.workers:
         headroom = worker.headroom
-        cost = burst_cost_bytes(headroom, worker.per_seq_bytes, plan.configured_max_num_seqs)
-        if headroom.sampled_free_bytes is None or not cost:
+        guess = burst_cost_bytes(headroom, worker.per_seq_bytes, plan.configured_max_num_seqs)
+        if headroom.sampled_free_bytes is None or not guess:
             continue
         live = live_margin_bytes(headroom)
         fixed = headroom.sharers * (worker.uncharged_fixed_bytes + headroom.reserved_by_others_bytes)
-        fits = max(headroom.sampled_free_bytes - live - fixed, 0) // cost
+        room = max(headroom.sampled_free_bytes - live - fixed, 0)
+        held = remembered.ranks.get(worker.rank) if remembered is not None else None
+        fits, cost, basis = remembered_burst(room, guess, headroom.sharers * worker.per_seq_bytes, held)
+        costs[worker.rank] = cost
         if fits < start.limit:
+            if held is None:
+                basis = f"{cost:,} B per sequence [{_burst_cost_text(headroom, worker.per_seq_bytes, plan)}]"
             start = FirstAdmission(limit=max(fits, 1), how=(
-                f"rank {worker.rank}: floor((free {headroom.sampled_free_bytes:,} B - live margin {live:,} B "
-                f"- fixed and other engines' {fixed:,} B) / {cost:,} B per sequence "
-                f"[{_burst_cost_text(headroom, worker.per_seq_bytes, plan)}]) = {fits}"))
-    return start
+                f"rank {worker.rank}: (free {headroom.sampled_free_bytes:,} B - live margin {live:,} B "
+                f"- fixed and other engines' {fixed:,} B) at {basis} = {fits}"))
+    return start.model_copy(update={"cost_by_rank": costs})
+
+
+def remembered_burst(room: int, guess: int, declared: int, held: HeldCost | None) -> tuple[int, int, str]:
+    """How many sequences fit ``room`` bytes, at what cost each, and the
+    arithmetic: at ``guess`` (:func:`burst_cost_bytes`) where this engine
+    has no record, else at the cost an earlier serve measured with
+    ``held.most_held`` sequences held. Why the record may go past the
+    sequences it was measured at: it is an average that carries the
+    engine's growth under load, which spreads over more sequences, so each
+    one more costs less than it. Where the room holds fewer than were
+    measured, the sequences given up are charged only their ``declared``
+    bytes (what one sequence frees at least). A record measured at fewer
+    sequences than the guess admits may lower the guess, not raise it: a
+    light load's average carries the fixed growth over few sequences."""
+    if held is None:
+        return room // guess, guess, ""
+    if held.most_held < room // guess:
+        cost = min(held.cost_per_seq_bytes, guess)
+        why = (f"the least of the guess {guess:,} B and {held.cost_per_seq_bytes:,} B measured with "
+               f"{held.most_held} held (fewer than the guess admits)")
+        return room // cost, cost, f"{cost:,} B per sequence [{why}]"
+    cost = held.cost_per_seq_bytes
+    basis = f"{cost:,} B per sequence [measured by an earlier serve of this engine with {held.most_held} held]"
+    fits = room // cost
+    if fits < held.most_held:
+        short = held.most_held * cost - room
+        fits = max(held.most_held - -(-short // max(declared, 1)), 0)
+        basis += (f": fewer than {held.most_held} fit, so {held.most_held} - ceil({short:,} B short / "
+                  f"{declared:,} B declared per sequence)")
+    return fits, cost, basis
 
 
 def burst_cost_bytes(headroom: Headroom, per_seq_bytes: int, configured_max_num_seqs: int) -> int:
@@ -372,8 +413,15 @@ class _DeviceBound(BaseModel):
     bound: int
     rise: int
     """What a rise may go to (:meth:`LiveMonitor._ramp`): the bound with
-    twice the live margin kept, or the startup cap where that is more (it
-    kept the whole margin); never past the bound."""
+    twice the live margin kept and each sequence added charged
+    :attr:`rise_cost`, or the startup cap where that is more (it kept the
+    whole margin); never past the bound."""
+    rise_cost: int | None = None
+    """What one sequence of a rise is charged: the measured cost, or the
+    first burst's cost where that is more. Why: a rise admits a new wave,
+    and on vLLM's CPU build a wave cost 1.6-1.8 times the average of the
+    sequences held before it (the allocator's arenas grow for each new
+    size), which the average cannot show until the wave is held."""
     cost: int | None
     how: str
     """The arithmetic, for the log."""
@@ -386,7 +434,8 @@ class LiveMonitor:
     applies what it returns."""
 
     def __init__(self, plan: Plan, sample_interval_s: float = DEFAULT_SAMPLE_INTERVAL_S,
-                 step_peaks: bool = False, resplit: Resplit | None = None, past_startup_cap: bool = True) -> None:
+                 step_peaks: bool = False, resplit: Resplit | None = None, past_startup_cap: bool = True,
+                 remembered: CostRecord | None = None) -> None:
         if plan.policy not in WATCHED_POLICIES:
             raise ValueError(f"live monitoring follows a cap, warn or reserve plan, not {plan.policy.value}")
         if not sample_interval_s >= 0:
@@ -403,7 +452,7 @@ class LiveMonitor:
             worker.rank: {e.owner: _OwnerTrack(e) for e in owner_expectations(worker)} for worker in plan.workers
         }
         self.follows_device, self.ceiling = device_following(plan, past_startup_cap and resplit is None)
-        self.first = first_admission(plan, self.ceiling) if self.follows_device else None
+        self.first = first_admission(plan, self.ceiling, remembered) if self.follows_device else None
         """Where the live limit started, with its arithmetic (:func:`first_admission`); None unless it follows."""
         self.limit = self.first.limit if self.first is not None else plan.effective_max_num_seqs
         """The live limit (:meth:`observe`)."""
@@ -422,6 +471,8 @@ class LiveMonitor:
         spread widest, kept when the load drains: otherwise an idle engine,
         nothing held, would read the declared bytes as the cost and let the
         next burst in at once as if nothing else grew."""
+        self._remembered = {rank: (held.most_held, held.cost_per_seq_bytes)  # last recorded or read
+                            for rank, held in (remembered.ranks.items() if remembered is not None else ())}
         self.samples = self.samples_while_running = self.corrections = 0
         self.running = self.held = self.waiting = self.completed = 0
         self.parked = 0
@@ -555,6 +606,8 @@ class LiveMonitor:
             self._cost_at_most_held[rank] = (self.held, measured)
             most_held, at_most = self.held, measured
         burst = burst_cost_bytes(headroom, self.rank_per_seq_bytes(rank), self.plan.configured_max_num_seqs)
+        if self.first is not None:
+            burst = self.first.cost_by_rank.get(rank, burst)
         if self.first is not None and most_held < self.first.limit:
             # Before the first wave was held whole, the measured average carries the engine's fixed growth
             # over few sequences (30 MB for one 8 MiB sequence on vLLM's CPU build): it may lower the
@@ -568,9 +621,10 @@ class LiveMonitor:
             basis = (f"the most of {grown:,} B used since startup / {self.held} held, {at_most:,} B at the most held "
                      f"({most_held}) and {planned:,} B declared")
         at_peak = f"{lowest:,} B free at the steps' peak ({free.free_bytes:,} B between steps - {excess:,} B above)"
+        rise_cost = max(cost, self.first.cost_by_rank.get(rank, 0)) if self.first is not None else cost
         if cost:
             bound = self.held + (lowest - margin) // cost
-            rise = self.held + (lowest - 2 * margin) // cost
+            rise = self.held + (lowest - 2 * margin) // rise_cost
             how = (f"held {self.held} + floor(({at_peak} - live margin {margin:,} B) / {cost:,} B per sequence "
                    f"[{basis}])")
         else:
@@ -579,8 +633,8 @@ class LiveMonitor:
             how = f"nothing held or declared per sequence; {at_peak}, live margin {margin:,} B"
         # The startup cap kept the whole margin: a rise may always go back to it, never past what the device holds.
         rise = min(max(rise, self.plan.effective_max_num_seqs), bound)
-        return _DeviceBound(rank=rank, bound=max(bound, 1), rise=max(rise, 1), cost=cost or None, how=how,
-                            source=free.source)
+        return _DeviceBound(rank=rank, bound=max(bound, 1), rise=max(rise, 1), rise_cost=rise_cost or None,
+                            cost=cost or None, how=how, source=free.source)
 
     def _memory_finding(self, new: list[Finding], device: _DeviceBound, limit: int) -> None:
         """One finding where the device moved the live limit (or, under
@@ -589,8 +643,8 @@ class LiveMonitor:
         if acting and limit < self.limit:
             kind, action = "memory-low", f"live limit {self.limit} -> {limit}; running requests finish, new ones wait"
         elif acting and limit > self.limit:
-            kind, action = "memory-room", (f"a rise keeps twice the live margin: {device.rise}; live limit "
-                                           f"{self.limit} -> {limit}")
+            kind, action = "memory-room", (f"a rise keeps twice the live margin at {device.rise_cost:,} B per "
+                                           f"sequence added: {device.rise}; live limit {self.limit} -> {limit}")
         elif not acting and device.bound < self.limit:
             kind, action = "memory-low", f"what fits is {device.bound}; policy warn: nothing is changed"
         else:
@@ -769,6 +823,22 @@ class LiveMonitor:
         if self._scaling_bytes(rank):
             fixed += sum(track.excess_fixed for track in self.undeclared[rank].values())
         return fixed
+
+    def cost_to_record(self) -> dict[int, HeldCost] | None:
+        """What the next start of this engine should admit its first burst
+        at (:mod:`kv_budget.watch.cost_record`), where it changed since the
+        last record: per rank, the most sequences held at a sample and the
+        cost measured then. None where nothing new is worth recording: the
+        limit does not follow the device, or this serve held fewer sequences
+        than the record it would replace (a light load's average carries
+        the engine's fixed growth over few sequences)."""
+        held = {rank: pair for rank, pair in self._cost_at_most_held.items() if pair[0] and pair[1]}
+        if not self.follows_device or not held or held == self._remembered:
+            return None
+        if max(n for n, _ in held.values()) < max((n for n, _ in self._remembered.values()), default=0):
+            return None
+        self._remembered = held
+        return {rank: HeldCost(most_held=n, cost_per_seq_bytes=cost) for rank, (n, cost) in held.items()}
 
     def hold_to(self, limit: int) -> None:
         """A limit set outside the samples (a vLLM-Omni stage's final
