@@ -1,17 +1,21 @@
 """Under a real memory limit: how close to it does kv-budget serve, against an operator's figure by hand?
 
 For each configuration (talker positions per row, room above the server's
-usage after startup), the demo's api_server runs inside a memory cgroup of
+working set after startup), the demo's api_server runs inside a memory cgroup of
 its own (``kv_budget_demo.limit_demo.run_under_limit``: the kernel's limit
 and OOM killer, as in a container), each run serving 256 concurrent
 completions:
 
-1. ``off`` with ``max_num_seqs`` 256: stock vLLM; its usage after startup
+1. ``off`` with ``max_num_seqs`` 256: stock vLLM; its working set after startup
    plus the room is the limit, the same absolute figure for every run of
    the configuration;
 2. ``cap`` with default settings (headroom measured from the cgroup, the
-   default margin, live watch on), then with an operator's small margin
-   (``--small-margin``, 128 MiB);
+   default margin, live watch on), ``--serves`` times with one cost record
+   directory made fresh for the configuration: the first serve admits its
+   first burst at the declared bytes and the margin, each later one at the
+   cost the serve before measured (``kv_budget.watch.cost_record``); then
+   once with an operator's small margin (``--small-margin``, 128 MiB, its
+   cost record off);
 3. the operator: stock vLLM with ``--max-num-seqs N``, bisected between the
    largest figure known to survive (kv-budget's startup cap where it served
    every request: the same sequences in flight on the same engine) and the
@@ -21,15 +25,17 @@ completions:
 It prints, per configuration, the limit, each run's peak usage, OOM kills
 and requests completed, where the memory went (each process's growth
 during the load), and kv-budget's limit (the largest live limit it applied,
-else its startup cap) against the operator's figure.
+its first admission included, else its startup cap) in its first and its
+last serve against the operator's figure.
 
     .venv/bin/python benchmarks/bench_memory_limit.py                      # JSON into benchmarks/results/
-    .venv/bin/python benchmarks/bench_memory_limit.py --configs 2048:1.6GB --bisect-steps 3
+    .venv/bin/python benchmarks/bench_memory_limit.py --configs 2048:1.6GB --bisect-steps 3 --serves 2
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from pathlib import Path
 
@@ -54,7 +60,9 @@ def _line(label: str, run: dict) -> str:
     if not run.get("started"):
         return f"  {label:<22} did not start ({run.get('error', '')[:120]}); OOM kills {run.get('oom_kills')}"
     seqs = run.get("max_num_seqs", run.get("server_max_num_seqs"))
-    live = f" (live limit up to {run['live_limit_max']}, {run['peak_sequences']} at once)" if run.get(
+    first = (f"first burst {run['first_admission']}{' (cost record)' if run.get('first_from_record') else ''}, "
+             if run.get("first_admission") else "")
+    live = f" ({first}live limit up to {run['live_limit_max']}, {run['peak_sequences']} at once)" if run.get(
         "live_limit_max") else f" ({run.get('peak_sequences')} at once)"
     growth = ", ".join(f"{name} +{format_bytes(p['growth_bytes'])}" for name, p in run["processes"].items()
                        if p["growth_bytes"] > 16 << 20)
@@ -69,29 +77,37 @@ def kv_budget_figure(run: dict) -> int | None:
 
 
 def run_config(work: Path, positions: int, room: int, requests: int, bisect_steps: int,
-               small_margin: str | None) -> dict:
-    """One configuration: stock, kv-budget (default settings, then an
-    operator's small margin), then the operator's bisection."""
+               small_margin: str | None, serves: int) -> dict:
+    """One configuration: stock, kv-budget (default settings, ``serves``
+    times on one cost record, then an operator's small margin), then the
+    operator's bisection."""
     name = f"p{positions}-r{room}"
     checkpoint = write_demo_checkpoint(work / name / "checkpoint", {"positions": positions})
     per_seq = talker_bytes_per_row({**DEFAULT_TALKER, "positions": positions})
     print(f"[bench_memory_limit] {positions} positions ({format_bytes(per_seq)} per sequence), room "
-          f"{format_bytes(room)} above the usage after startup", flush=True)
+          f"{format_bytes(room)} above the working set after startup", flush=True)
     off = run_under_limit("off", checkpoint, work / name / "off", requests, None, room)
     print(_line("stock, 256", off), flush=True)
     result = {"talker_positions": positions, "per_sequence_bytes": per_seq, "room_bytes": room, "off": off}
     if not off.get("started"):
         return result
     limit = off["limit_bytes"]
-    cap = run_under_limit("cap", checkpoint, work / name / "cap", requests, limit, room)
-    print(_line("kv-budget cap", cap), flush=True)
-    result["cap"] = cap
+    record = work / name / "cost-record"
+    shutil.rmtree(record, ignore_errors=True)
+    caps = []
+    for serve in range(1, serves + 1):
+        cap = run_under_limit("cap", checkpoint, work / name / f"cap-{serve}", requests, limit, room,
+                              ("--model-local-kv-cost-record", str(record)))
+        print(_line(f"kv-budget cap, serve {serve}", cap), flush=True)
+        caps.append(cap)
+    result["cap_serves"] = caps
     if small_margin:
         small = run_under_limit("cap", checkpoint, work / name / "cap-small-margin", requests, limit, room,
-                                ("--model-local-kv-margin", small_margin))
+                                ("--model-local-kv-margin", small_margin, "--model-local-kv-cost-record", "off"))
         print(_line(f"kv-budget, {small_margin}", small), flush=True)
         result["cap_small_margin"] = {"margin": small_margin, **small}
-    good = (cap.get("max_num_seqs") or 0) if survived(cap, requests) else 0
+    first, last = caps[0], caps[-1]
+    good = (first.get("max_num_seqs") or 0) if survived(first, requests) else 0
     bad = requests if not survived(off, requests) else None
     probes = []
     if bad is not None:
@@ -107,11 +123,15 @@ def run_config(work: Path, positions: int, room: int, requests: int, bisect_step
                 good = trial
             else:
                 bad = trial
-    figure = kv_budget_figure(cap) if survived(cap, requests) else 0
+    served = all(survived(cap, requests) for cap in caps)
     result.update(operator_probes=probes, operator_max_num_seqs=good, operator_first_failing=bad,
-                  kv_budget_max_num_seqs=figure, kv_budget_served=survived(cap, requests))
+                  kv_budget_first_max_num_seqs=kv_budget_figure(first) if survived(first, requests) else 0,
+                  kv_budget_max_num_seqs=kv_budget_figure(last) if survived(last, requests) else 0,
+                  kv_budget_served=served,
+                  kv_budget_oom_kills=sum(cap.get("oom_kills") or 0 for cap in caps))
     if good:
-        result["kv_budget_of_operator"] = round((figure or 0) / good, 3)
+        result["kv_budget_first_of_operator"] = round((result["kv_budget_first_max_num_seqs"] or 0) / good, 3)
+        result["kv_budget_of_operator"] = round((result["kv_budget_max_num_seqs"] or 0) / good, 3)
     return result
 
 
@@ -123,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bisect-steps", type=int, default=4)
     parser.add_argument("--small-margin", default="128MiB",
                         help="also run kv-budget with this --model-local-kv-margin ('' skips it; default 128MiB)")
+    parser.add_argument("--serves", type=int, default=3,
+                        help="kv-budget serves per configuration on one cost record (default 3)")
     parser.add_argument("--out", default=str(HERE / "out" / "memory_limit"))
     parser.add_argument("--results", default=str(HERE / "results" / "memory_limit.json"))
     args = parser.parse_args(argv)
@@ -136,12 +158,14 @@ def main(argv: list[str] | None = None) -> int:
     for text in args.configs.split(","):
         positions, _, room = text.partition(":")
         config = run_config(work, int(positions), parse_byte_size(room), args.requests, args.bisect_steps,
-                            args.small_margin or None)
+                            args.small_margin or None, args.serves)
         document["configs"].append(config)
         if "operator_max_num_seqs" in config:
-            print(f"  kv-budget {config['kv_budget_max_num_seqs']} (served every request: "
-                  f"{config['kv_budget_served']}) against the operator's {config['operator_max_num_seqs']} "
-                  f"(first failing {config['operator_first_failing']}): "
+            print(f"  kv-budget {config['kv_budget_first_max_num_seqs']} in its first serve, "
+                  f"{config['kv_budget_max_num_seqs']} in its last ({args.serves}; every request served in each: "
+                  f"{config['kv_budget_served']}, OOM kills {config['kv_budget_oom_kills']}) against the operator's "
+                  f"{config['operator_max_num_seqs']} (first failing {config['operator_first_failing']}): "
+                  f"{config.get('kv_budget_first_of_operator', 'n/a')}, "
                   f"{config.get('kv_budget_of_operator', 'n/a')}", flush=True)
     write_results(args.results, document)
     return 0

