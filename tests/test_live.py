@@ -546,6 +546,8 @@ def test_an_earlier_serve_of_this_engine_sets_the_first_bursts_cost():
     light = first_admission(plan, 256, _record(10, 8 * 1024**2))  # ten held, the fixed growth over few
     assert light.limit == 89 and light.cost_by_rank == {0: guess}
     assert first_admission(plan, 256, _record(10, measured)).limit == 168  # it may lower the guess
+    below = first_admission(plan, 256, _record(100, 1))  # a record under the declared bytes is raised to them
+    assert below.cost_by_rank == {0: ROW_BYTES} and below.limit == 256
 
 
 def test_the_cost_worth_recording_is_the_one_at_the_most_held_never_a_lighter_serves():

@@ -190,15 +190,17 @@ def remembered_burst(room: int, guess: int, declared: int, held: HeldCost | None
     measured, the sequences given up are charged only their ``declared``
     bytes (what one sequence frees at least). A record measured at fewer
     sequences than the guess admits may lower the guess, not raise it: a
-    light load's average carries the fixed growth over few sequences."""
+    light load's average carries the fixed growth over few sequences. A
+    recorded cost is never taken below ``declared``."""
     if held is None:
         return room // guess, guess, ""
+    recorded = max(held.cost_per_seq_bytes, declared)  # no sequence costs less than its declared bytes
     if held.most_held < room // guess:
-        cost = min(held.cost_per_seq_bytes, guess)
-        why = (f"the least of the guess {guess:,} B and {held.cost_per_seq_bytes:,} B measured with "
+        cost = min(recorded, guess)
+        why = (f"the least of the guess {guess:,} B and {recorded:,} B measured with "
                f"{held.most_held} held (fewer than the guess admits)")
         return room // cost, cost, f"{cost:,} B per sequence [{why}]"
-    cost = held.cost_per_seq_bytes
+    cost = recorded
     basis = f"{cost:,} B per sequence [measured by an earlier serve of this engine with {held.most_held} held]"
     fits = room // cost
     if fits < held.most_held:
