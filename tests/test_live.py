@@ -550,7 +550,7 @@ def test_an_earlier_serve_of_this_engine_sets_the_first_bursts_cost():
     assert below.cost_by_rank == {0: ROW_BYTES} and below.limit == 256
 
 
-def test_the_cost_worth_recording_is_the_one_at_the_most_held_never_a_lighter_serves():
+def test_the_cost_worth_recording_is_the_one_at_the_most_held_or_a_lower_one():
     stage = Stage(RequestTalker())
     free = 400 * 1024**2
     plan = default_margin_plan(stage, free)
@@ -563,7 +563,10 @@ def test_the_cost_worth_recording_is_the_one_at_the_most_held_never_a_lighter_se
     assert monitor.cost_to_record() is None  # unchanged since written
     lighter = LiveMonitor(plan, remembered=_record(60, 2 * 1024**2))
     lighter.observe(device_sample(stage, scanner, free - grown), running=30, finished_unfreed=0, completed=0, now=0.0)
-    assert lighter.cost_to_record() is None  # 30 held does not replace a record of 60
+    assert lighter.cost_to_record() is None  # 30 held at a higher cost does not replace a record of 60
+    dearer = LiveMonitor(plan, remembered=_record(60, 4 * 1024**2))
+    dearer.observe(device_sample(stage, scanner, free - grown), running=30, finished_unfreed=0, completed=0, now=0.0)
+    assert dearer.cost_to_record() == {0: HeldCost(most_held=30, cost_per_seq_bytes=3 * 1024**2)}  # a lower cost does
     explicit = make_plan([budget_worker(collect_model_local_kv_specs(stage), headroom_override(free),
                                         max_num_seqs=256)], 256, "cap")
     exact = LiveMonitor(explicit, remembered=_record(60, 2 * 1024**2))

@@ -832,12 +832,18 @@ class LiveMonitor:
         last record: per rank, the most sequences held at a sample and the
         cost measured then. None where nothing new is worth recording: the
         limit does not follow the device, or this serve held fewer sequences
-        than the record it would replace (a light load's average carries
-        the engine's fixed growth over few sequences)."""
+        than the record it would replace at a higher cost on some rank (a
+        light load's average carries the engine's fixed growth over few
+        sequences). Fewer held at a lower cost replace it: the record's own
+        average was then inflated by more than that growth, and a serve
+        that starts from it can hold fewer than it did (requests arriving
+        take memory before the burst is held), which would otherwise keep
+        it for good."""
         held = {rank: pair for rank, pair in self._cost_at_most_held.items() if pair[0] and pair[1]}
         if not self.follows_device or not held or held == self._remembered:
             return None
-        if max(n for n, _ in held.values()) < max((n for n, _ in self._remembered.values()), default=0):
+        fewer = max(n for n, _ in held.values()) < max((n for n, _ in self._remembered.values()), default=0)
+        if fewer and any(cost > self._remembered.get(rank, (0, 0))[1] for rank, (_, cost) in held.items()):
             return None
         self._remembered = held
         return {rank: HeldCost(most_held=n, cost_per_seq_bytes=cost) for rank, (n, cost) in held.items()}
