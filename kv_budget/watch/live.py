@@ -64,8 +64,8 @@ from pydantic import BaseModel
 from kv_budget.declare.spec import RowDriver, Scope
 from kv_budget.plan.planner import Charge, Headroom, Plan, WorkerBudget, live_margin_bytes, safe_max_num_seqs
 from kv_budget.sample.in_step import InStepPeaks
-from kv_budget.watch.cost_record import CostRecord, HeldCost
 from kv_budget.settings import DEFAULT_SAMPLE_INTERVAL_S, Policy
+from kv_budget.watch.cost_record import CostRecord, HeldCost
 from kv_budget.watch.live_state import Finding, LiveState, OwnerLive, RankLive, Verdict
 
 __all__ = [
