@@ -20,11 +20,13 @@ from kv_budget.sample.in_step import InStepPeaks
 from kv_budget.watch.cost_record import CostRecord, HeldCost
 from kv_budget.settings import Policy
 from kv_budget.watch.live import (
+    BEYOND_RECORD_FACTOR,
     DEAD_AFTER_COMPLETED,
     DeviceFree,
     LiveMeasurement,
     MAX_SAMPLING_FRACTION,
     first_admission,
+    remembered_burst,
     LiveMonitor,
     WorkerSample,
     owner_expectations,
@@ -321,18 +323,29 @@ def test_a_start_under_the_default_margin_takes_a_first_burst_then_rises_keeping
 
 def test_before_the_first_burst_is_held_whole_its_cost_is_the_most_a_sequence_is_charged():
     """A few sequences' average carries the engine's own growth (a fixed
-    cost spread over few): until the first burst is held whole it may lower
-    the burst's cost per sequence, never raise it."""
+    cost spread over few) and what the requests still arriving already
+    took: until the first burst is held whole a sample keeps it while the
+    device has used no more than the burst was admitted at, and past that
+    charges each sequence the burst's cost (the average may lower it, never
+    raise it)."""
     stage = Stage(RequestTalker())
     live_margin, share = 64 * 1024**2, (1024**3 - 64 * 1024**2) // 256
+    guess = ROW_BYTES + share
     free = 2 * live_margin + 40 * ROW_BYTES
     monitor, scanner = LiveMonitor(default_margin_plan(stage, free)), HeldBytes(stage, ["talker"])
+    assert monitor.limit == (free - live_margin) // guess == 17
     held(stage, 1)
-    grown = 30 * 1024**2  # one sequence and the engine's first allocations
+    grown = 30 * 1024**2  # one sequence, the engine's first allocations and the arrivals
     update = monitor.observe(device_sample(stage, scanner, free - grown), running=1, finished_unfreed=0,
                              completed=0, now=0.0)
-    assert monitor.cost_per_seq == ROW_BYTES + share
-    assert update.limit == monitor.memory_limit == 1 + (free - grown - live_margin) // (ROW_BYTES + share) == 10
+    assert monitor.cost_per_seq == guess and update.limit is None and monitor.memory_limit == 17
+    assert 1 + (free - grown - live_margin) // guess == 10  # what the bound alone would be
+    assert monitor.state().limit == 17
+    held(stage, 2)
+    grown = 17 * guess + ROW_BYTES  # past what the burst was admitted at
+    update = monitor.observe(device_sample(stage, scanner, free - grown), running=2, finished_unfreed=0,
+                             completed=0, now=1.0)
+    assert update.limit == monitor.memory_limit == 2 + (free - grown - live_margin) // guess == 2
     assert "the burst's" in update.findings[0].message and "until 17 are held" in update.findings[0].message
 
 
@@ -524,10 +537,11 @@ def _record(most_held: int, cost: int) -> CostRecord:
 
 def test_an_earlier_serve_of_this_engine_sets_the_first_bursts_cost():
     """The first burst is admitted at the cost an earlier serve measured
-    (an average at the most it held, which carries the engine's growth, so
-    it may be extrapolated upward); where the room holds fewer than were
-    measured, those given up are charged their declared bytes only; a record
-    of fewer sequences than the guess admits only lowers the guess."""
+    (an average at the most it held), each sequence past those at twice it
+    (a serve's growth rose faster than its sequences) or the guess where
+    that is less; where the room holds fewer than were measured, those given
+    up are charged their declared bytes only; a record of fewer sequences
+    than the guess admits is never taken above the guess."""
     stage = Stage(RequestTalker())
     free, live_margin = 400 * 1024**2, 64 * 1024**2
     plan = default_margin_plan(stage, free)
@@ -535,19 +549,28 @@ def test_an_earlier_serve_of_this_engine_sets_the_first_bursts_cost():
     room = free - live_margin
     assert first_admission(plan, 256).limit == room // guess == 89
     measured = 2 * 1024**2
+    past = min(BEYOND_RECORD_FACTOR * measured, guess)
+    assert past == guess  # twice the record is more than the guess: the guess
     first = first_admission(plan, 256, _record(100, measured))
-    assert first.limit == room // measured == 168 and first.cost_by_rank == {0: measured}
-    assert f"at {measured:,} B per sequence [measured by an earlier serve of this engine with 100 held] = 168" in first.how
-    assert LiveMonitor(plan, remembered=_record(80, measured)).limit == 168
+    assert first.limit == 100 + (room - 100 * measured) // past == 136
+    assert first.cost_by_rank == {0: -(-(100 * measured + 36 * past) // 136)}
+    assert (f"at {measured:,} B per sequence [measured by an earlier serve of this engine with 100 held] for 100, "
+            f"and {past:,} B for each past them: 100 + floor(({room:,} B - {100 * measured:,} B) / "
+            f"{past:,} B) = 136") in first.how
+    cheaper = first_admission(plan, 256, _record(100, measured // 2))
+    assert cheaper.limit == 100 + (room - 100 * measured // 2) // measured == 218  # twice 1 MiB, under the guess
+    assert LiveMonitor(plan, remembered=_record(80, measured)).limit == 80 + (room - 80 * measured) // past == 126
     short = first_admission(plan, 256, _record(200, measured))
     deficit = 200 * measured - room
     assert short.limit == max(200 - -(-deficit // ROW_BYTES), 1) == 1  # a 5,120 B sequence frees little
     assert f"fewer than 200 fit, so 200 - ceil({deficit:,} B short / {ROW_BYTES:,} B declared" in short.how
     light = first_admission(plan, 256, _record(10, 8 * 1024**2))  # ten held, the fixed growth over few
     assert light.limit == 89 and light.cost_by_rank == {0: guess}
-    assert first_admission(plan, 256, _record(10, measured)).limit == 168  # it may lower the guess
-    below = first_admission(plan, 256, _record(100, 1))  # a record under the declared bytes is raised to them
-    assert below.cost_by_rank == {0: ROW_BYTES} and below.limit == 256
+    assert "the guess: 8,388,608 B measured with 10 held, fewer than the guess admits, is more" in light.how
+    assert first_admission(plan, 256, _record(10, measured)).limit == 10 + (room - 10 * measured) // guess == 94
+    below = remembered_burst(room, guess, ROW_BYTES, HeldCost(most_held=100, cost_per_seq_bytes=1))
+    assert below[2].startswith(f"{ROW_BYTES:,} B per sequence [measured")  # a record under the declared bytes
+    assert below[0] == 100 + (room - 100 * ROW_BYTES) // (2 * ROW_BYTES)  # is raised to them
 
 
 def test_the_cost_worth_recording_is_the_one_at_the_most_held_or_a_lower_one():

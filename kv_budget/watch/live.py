@@ -71,6 +71,7 @@ from kv_budget.watch.live_state import Finding, LiveState, OwnerLive, RankLive, 
 __all__ = [
     "DEAD_AFTER_COMPLETED",
     "MAX_SAMPLING_FRACTION",
+    "BEYOND_RECORD_FACTOR",
     "first_admission",
     "FirstAdmission",
     "remembered_burst",
@@ -97,6 +98,18 @@ on 2 cores, 256 running requests each keeping its own cache): about 20 ms
 per sample, 2.2 % of the engine's step time at a fixed 1 s interval; the
 bound keeps it at 0.5 % on any machine and any number of caches, and the
 interval still decides when sampling is cheap."""
+
+BEYOND_RECORD_FACTOR = 2
+"""What a first burst charges each sequence beyond the most an earlier serve
+held, as a multiple of the average cost that serve measured. Why more than
+the average: on vLLM's CPU build a serve's growth rose faster than its
+sequences (the 1 MiB demo's worker: 144 MB at 98 held, 374 MB at 164, so
+3.5 MB for each sequence past 98 against an average of 1.5 MB), and a
+record extrapolated at its average overran the next serve's room. Why 2:
+where the cost grows with the square of the sequences, the next one costs
+twice the average; the live margin covers what a wider step adds. Never
+more than the guess a start without a record charges each
+(:func:`burst_cost_bytes`)."""
 
 DEAD_AFTER_COMPLETED = 16
 """Completed requests after which a retained per-sequence declaration that
@@ -180,35 +193,39 @@ def first_admission(plan: Plan, ceiling: int, remembered: CostRecord | None = No
 
 
 def remembered_burst(room: int, guess: int, declared: int, held: HeldCost | None) -> tuple[int, int, str]:
-    """How many sequences fit ``room`` bytes, at what cost each, and the
-    arithmetic: at ``guess`` (:func:`burst_cost_bytes`) where this engine
-    has no record, else at the cost an earlier serve measured with
-    ``held.most_held`` sequences held. Why the record may go past the
-    sequences it was measured at: it is an average that carries the
-    engine's growth under load, which spreads over more sequences, so each
-    one more costs less than it. Where the room holds fewer than were
-    measured, the sequences given up are charged only their ``declared``
-    bytes (what one sequence frees at least). A record measured at fewer
-    sequences than the guess admits may lower the guess, not raise it: a
-    light load's average carries the fixed growth over few sequences. A
-    recorded cost is never taken below ``declared``."""
+    """How many sequences fit ``room`` bytes, at what cost each on average,
+    and the arithmetic: at ``guess`` (:func:`burst_cost_bytes`) where this
+    engine has no record, else at the cost an earlier serve measured with
+    ``held.most_held`` sequences held, each sequence past those charged
+    :data:`BEYOND_RECORD_FACTOR` times it (a serve's growth rose faster than
+    its sequences) or the guess where that is less (a record never charges
+    one more than a start without it). A record measured at fewer sequences
+    than the guess admits is taken at the guess where that is less: a
+    light load's average carries the fixed growth over few sequences. Where
+    the room holds fewer than were measured, the sequences given up are
+    charged only their ``declared`` bytes (what one sequence frees at
+    least). A recorded cost is never taken below ``declared``."""
     if held is None:
         return room // guess, guess, ""
     recorded = max(held.cost_per_seq_bytes, declared)  # no sequence costs less than its declared bytes
-    if held.most_held < room // guess:
-        cost = min(recorded, guess)
-        why = (f"the least of the guess {guess:,} B and {recorded:,} B measured with "
-               f"{held.most_held} held (fewer than the guess admits)")
-        return room // cost, cost, f"{cost:,} B per sequence [{why}]"
-    cost = recorded
-    basis = f"{cost:,} B per sequence [measured by an earlier serve of this engine with {held.most_held} held]"
-    fits = room // cost
-    if fits < held.most_held:
-        short = held.most_held * cost - room
+    each = recorded
+    basis = f"{recorded:,} B per sequence [measured by an earlier serve of this engine with {held.most_held} held]"
+    if held.most_held < room // guess and guess < recorded:
+        each = guess
+        basis = (f"{guess:,} B per sequence [the guess: {recorded:,} B measured with {held.most_held} held, "
+                 "fewer than the guess admits, is more]")
+    measured = held.most_held * each
+    if measured > room:
+        short = measured - room
         fits = max(held.most_held - -(-short // max(declared, 1)), 0)
         basis += (f": fewer than {held.most_held} fit, so {held.most_held} - ceil({short:,} B short / "
                   f"{declared:,} B declared per sequence)")
-    return fits, cost, basis
+        return fits, each, basis
+    past = max(min(BEYOND_RECORD_FACTOR * recorded, guess), each)
+    fits = held.most_held + (room - measured) // past
+    basis += (f" for {held.most_held}, and {past:,} B for each past them: "
+              f"{held.most_held} + floor(({room:,} B - {measured:,} B) / {past:,} B)")
+    return fits, -(-(measured + (fits - held.most_held) * past) // max(fits, 1)), basis
 
 
 def burst_cost_bytes(headroom: Headroom, per_seq_bytes: int, configured_max_num_seqs: int) -> int:
@@ -610,7 +627,9 @@ class LiveMonitor:
         burst = burst_cost_bytes(headroom, self.rank_per_seq_bytes(rank), self.plan.configured_max_num_seqs)
         if self.first is not None:
             burst = self.first.cost_by_rank.get(rank, burst)
-        if self.first is not None and most_held < self.first.limit:
+        # The first admission, while it has not been held whole (None after).
+        first_burst = self.first.limit if self.first is not None and most_held < self.first.limit else None
+        if first_burst is not None:
             # Before the first wave was held whole, the measured average carries the engine's fixed growth
             # over few sequences (30 MB for one 8 MiB sequence on vLLM's CPU build): it may lower the
             # burst's cost, not raise it.
@@ -629,6 +648,13 @@ class LiveMonitor:
             rise = self.held + (lowest - 2 * margin) // rise_cost
             how = (f"held {self.held} + floor(({at_peak} - live margin {margin:,} B) / {cost:,} B per sequence "
                    f"[{basis}])")
+            if first_burst is not None and bound < first_burst and grown <= first_burst * burst and lowest >= margin:
+                # Requests arriving take memory before they are held: the first admission budgeted the
+                # burst's whole growth, and until that is spent a sample has seen nothing it did not plan for.
+                how = (f"the first burst's {first_burst}, {self.held} of them held: {grown:,} B used since "
+                       f"startup is within the {first_burst * burst:,} B ({first_burst} x {burst:,} B) it "
+                       f"was admitted at (else {how} = {bound})")
+                bound = first_burst
         else:
             bound = self.held if lowest < margin else self.ceiling
             rise = self.held if lowest < 2 * margin else self.ceiling
