@@ -20,7 +20,11 @@ completions:
    largest figure known to survive (kv-budget's startup cap where it served
    every request: the same sequences in flight on the same engine) and the
    smallest known to fail (256 where ``off`` failed). A run survives when
-   all 256 requests complete with no OOM kill.
+   all 256 requests complete with no OOM kill; a figure survives when
+   ``--operator-repeats`` runs of it do (a careful operator tries a figure
+   more than once: the edge is noisy, and a figure that survived one run
+   was killed in another of the same server), and the figures that survived
+   a run and then failed one are printed.
 
 It prints, per configuration, the limit, each run's peak usage, OOM kills
 and requests completed, where the memory went (each process's growth
@@ -68,7 +72,16 @@ def _line(label: str, run: dict) -> str:
                        if p["growth_bytes"] > 16 << 20)
     return (f"  {label:<22} max_num_seqs {seqs:>3}{live}: peak {format_bytes(run['peak_usage_bytes'] or 0):>10} of "
             f"{format_bytes(run['limit_bytes'])}, OOM kills {run['oom_kills']}, {run['completed']}/{run['requests']} "
-            f"completed, {run['seconds']} s; grew: {growth or 'nothing over 16 MiB'}")
+            f"completed, {run['seconds']} s; grew: {growth or 'nothing over 16 MiB'}; {_file_pages(run)}")
+
+
+def _file_pages(run: dict) -> str:
+    """What the kernel took back from the group's page cache during the load."""
+    before, after = run["file_pages"]["before_load"], run["file_pages"]["after_load"]
+    cache = sum(before[k] - after[k] for k in ("active_file_bytes", "inactive_file_bytes"))
+    return (f"page cache {'-' if cache >= 0 else '+'}{format_bytes(abs(cache))} "
+            f"(active {format_bytes(before['active_file_bytes'])} -> {format_bytes(after['active_file_bytes'])}), "
+            f"{after['major_faults'] - before['major_faults']} major faults")
 
 
 def kv_budget_figure(run: dict) -> int | None:
@@ -77,7 +90,7 @@ def kv_budget_figure(run: dict) -> int | None:
 
 
 def run_config(work: Path, positions: int, room: int, requests: int, bisect_steps: int,
-               small_margin: str | None, serves: int) -> dict:
+               small_margin: str | None, serves: int, operator_repeats: int) -> dict:
     """One configuration: stock, kv-budget (default settings, ``serves``
     times on one cost record, then an operator's small margin), then the
     operator's bisection."""
@@ -109,22 +122,28 @@ def run_config(work: Path, positions: int, room: int, requests: int, bisect_step
     first, last = caps[0], caps[-1]
     good = (first.get("max_num_seqs") or 0) if survived(first, requests) else 0
     bad = requests if not survived(off, requests) else None
-    probes = []
+    probes, flaky = [], []
     if bad is not None:
         for _ in range(bisect_steps):
             if bad - (good or 0) <= 1:
                 break
             trial = ((good or 0) + bad) // 2
-            probe = run_under_limit("off", checkpoint, work / name / f"operator-{trial}", requests, limit, room,
-                                    max_num_seqs=trial)
-            print(_line(f"operator, {trial}", probe), flush=True)
-            probes.append(probe)
+            for repeat in range(1, operator_repeats + 1):
+                probe = run_under_limit("off", checkpoint, work / name / f"operator-{trial}-{repeat}", requests,
+                                        limit, room, max_num_seqs=trial)
+                print(_line(f"operator, {trial} ({repeat})", probe), flush=True)
+                probes.append(probe)
+                if not survived(probe, requests):
+                    break
             if survived(probe, requests):
                 good = trial
             else:
                 bad = trial
+                if repeat > 1:  # it survived before: a single run would have taken it
+                    flaky.append(trial)
     served = all(survived(cap, requests) for cap in caps)
     result.update(operator_probes=probes, operator_max_num_seqs=good, operator_first_failing=bad,
+                  operator_repeats=operator_repeats, operator_survived_then_failed=flaky,
                   kv_budget_first_max_num_seqs=kv_budget_figure(first) if survived(first, requests) else 0,
                   kv_budget_max_num_seqs=kv_budget_figure(last) if survived(last, requests) else 0,
                   kv_budget_served=served,
@@ -135,6 +154,11 @@ def run_config(work: Path, positions: int, room: int, requests: int, bisect_step
     return result
 
 
+def _flaky(config: dict) -> str:
+    flaky = config["operator_survived_then_failed"]
+    return f"; survived a run, then failed one: {', '.join(map(str, flaky))}" if flaky else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default=DEFAULT_CONFIGS,
@@ -143,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bisect-steps", type=int, default=4)
     parser.add_argument("--small-margin", default="128MiB",
                         help="also run kv-budget with this --model-local-kv-margin ('' skips it; default 128MiB)")
+    parser.add_argument("--operator-repeats", type=int, default=2,
+                        help="runs of each figure the operator tries; it survives when every one does (default 2)")
     parser.add_argument("--serves", type=int, default=3,
                         help="kv-budget serves per configuration on one cost record (default 3)")
     parser.add_argument("--out", default=str(HERE / "out" / "memory_limit"))
@@ -158,13 +184,14 @@ def main(argv: list[str] | None = None) -> int:
     for text in args.configs.split(","):
         positions, _, room = text.partition(":")
         config = run_config(work, int(positions), parse_byte_size(room), args.requests, args.bisect_steps,
-                            args.small_margin or None, args.serves)
+                            args.small_margin or None, args.serves, args.operator_repeats)
         document["configs"].append(config)
         if "operator_max_num_seqs" in config:
             print(f"  kv-budget {config['kv_budget_first_max_num_seqs']} in its first serve, "
                   f"{config['kv_budget_max_num_seqs']} in its last ({args.serves}; every request served in each: "
                   f"{config['kv_budget_served']}, OOM kills {config['kv_budget_oom_kills']}) against the operator's "
-                  f"{config['operator_max_num_seqs']} (first failing {config['operator_first_failing']}): "
+                  f"{config['operator_max_num_seqs']} (first failing {config['operator_first_failing']}"
+                  f"{_flaky(config)}): "
                   f"{config.get('kv_budget_first_of_operator', 'n/a')}, "
                   f"{config.get('kv_budget_of_operator', 'n/a')}", flush=True)
     write_results(args.results, document)

@@ -348,3 +348,21 @@ def test_the_process_peak_is_the_high_water_mark_above_the_resident_set_and_is_r
     status.write_text("Name:\tpython\n")
     assert peak.read() is None  # no high-water mark to read: the watch works from free memory alone
     assert ProcessPeak("xpu").read() is None
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_the_demos_cgroup_reads_its_page_cache_and_major_faults(tmp_path, version):
+    """The memory-limit demo reports what the kernel took back from the
+    group's page cache during a load: v1 reads the hierarchical ``total_``
+    figures, not the group's own; a figure the kernel lacks reads 0."""
+    from kv_budget_demo.memory_limit import MemoryCgroup
+
+    prefix = "total_" if version == "v1" else ""
+    (tmp_path / "memory.stat").write_text(
+        f"active_file 1\ninactive_file 2\npgmajfault 3\n{prefix}active_file {5 * GiB}\n"
+        f"{prefix}inactive_file {GiB}\n" if version == "v1" else
+        f"active_file {5 * GiB}\ninactive_file {GiB}\n")
+    (tmp_path / ("memory.usage_in_bytes" if version == "v1" else "memory.current")).write_text(str(7 * GiB))
+    group = MemoryCgroup(version, tmp_path)
+    assert group.file_pages() == {"active_file_bytes": 5 * GiB, "inactive_file_bytes": GiB, "major_faults": 0}
+    assert group.working_set() == 6 * GiB

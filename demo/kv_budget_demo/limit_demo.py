@@ -75,9 +75,12 @@ def run_under_limit(policy: str, checkpoint: Path, run_dir: Path, requests: int,
         group.reset_peak()
         processes = ProcessPeaks(group)
         processes.start()
+        files_before = group.file_pages()
         load = send_completions(run.server.url, str(checkpoint), requests=requests)
+        files_after = group.file_pages()
         result.update(started=True, limit_bytes=limit, startup_usage_bytes=startup_usage,
                       startup_working_set_bytes=working_set, peak_usage_bytes=group.peak(),
+                      file_pages={"before_load": files_before, "after_load": files_after},
                       oom_kills=group.oom_kills(), requests=requests, completed=load.completed, failed=load.failed,
                       seconds=round(load.seconds, 1), errors=load.errors[:2], processes=processes.stop(),
                       server_max_num_seqs=max_num_seqs)

@@ -83,10 +83,22 @@ class MemoryCgroup:
         usage: the page cache a start reads is charged to whichever group
         reads it first, so raw usage after startup moves by a few hundred MB
         between runs of the same server."""
-        key = "total_inactive_file" if self.version == "v1" else "inactive_file"
-        stat = self._file("memory.stat", "memory.stat").read_text().split("\n")
-        inactive = next((int(line.split()[1]) for line in stat if line.startswith(f"{key} ")), 0)
-        return self.usage() - inactive
+        return self.usage() - self.stat("inactive_file")
+
+    def stat(self, name: str) -> int:
+        """One figure of ``memory.stat``, by its v2 name (v1 reads the
+        hierarchical ``total_`` one); 0 where the kernel has none."""
+        key = f"total_{name}" if self.version == "v1" else name
+        lines = self._file("memory.stat", "memory.stat").read_text().splitlines()
+        return next((int(line.split()[1]) for line in lines if line.startswith(f"{key} ")), 0)
+
+    def file_pages(self) -> dict[str, int]:
+        """The group's page cache, active and inactive, and its major faults
+        so far: what shows the kernel reclaiming file pages to stay under the
+        limit (a load that drops active file pages and faults them back has
+        lived on the code and data a working set counts as used)."""
+        return {"active_file_bytes": self.stat("active_file"), "inactive_file_bytes": self.stat("inactive_file"),
+                "major_faults": self.stat("pgmajfault")}
 
     def peak(self) -> int | None:
         """The most the group used since it was made (v2 kernels before 5.19
