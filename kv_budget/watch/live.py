@@ -164,7 +164,8 @@ def first_admission(plan: Plan, ceiling: int, remembered: CostRecord | None = No
     first burst the device holds, N where live margin + uncharged fixed + N
     x the cost of one sequence <= free. The live margin is what the first
     sample's bound keeps, so that sample does not lower the limit for want
-    of it. Why a burst near what the device holds, not the flat margin's
+    of it; a burst priced by a record keeps it twice
+    (:func:`remembered_burst`). Why a burst near what the device holds, not the flat margin's
     cap: a start low that rises admits waves of new sizes, and each leaves
     the worker's allocator holding more per sequence than one wave of the
     same total (docs/live.md has the figures). The cost of one sequence is
@@ -181,7 +182,7 @@ def first_admission(plan: Plan, ceiling: int, remembered: CostRecord | None = No
         fixed = headroom.sharers * (worker.uncharged_fixed_bytes + headroom.reserved_by_others_bytes)
         room = max(headroom.sampled_free_bytes - live - fixed, 0)
         held = remembered.ranks.get(worker.rank) if remembered is not None else None
-        fits, cost, basis = remembered_burst(room, guess, headroom.sharers * worker.per_seq_bytes, held)
+        fits, cost, basis = remembered_burst(room, guess, headroom.sharers * worker.per_seq_bytes, held, live)
         costs[worker.rank] = cost
         if fits < start.limit:
             if held is None:
@@ -192,36 +193,45 @@ def first_admission(plan: Plan, ceiling: int, remembered: CostRecord | None = No
     return start.model_copy(update={"cost_by_rank": costs})
 
 
-def remembered_burst(room: int, guess: int, declared: int, held: HeldCost | None) -> tuple[int, int, str]:
+def remembered_burst(
+    room: int, guess: int, declared: int, held: HeldCost | None, wave_margin: int,
+) -> tuple[int, int, str]:
     """How many sequences fit ``room`` bytes, at what cost each on average,
     and the arithmetic: at ``guess`` (:func:`burst_cost_bytes`) where this
     engine has no record, else at the cost an earlier serve measured with
     ``held.most_held`` sequences held, each sequence past those charged
     :data:`BEYOND_RECORD_FACTOR` times it (a serve's growth rose faster than
     its sequences) or the guess where that is less (a record never charges
-    one more than a start without it). A record measured at fewer sequences
-    than the guess admits is taken at the guess where that is less: a
-    light load's average carries the fixed growth over few sequences. Where
-    the room holds fewer than were measured, the sequences given up are
-    charged only their ``declared`` bytes (what one sequence frees at
-    least). A recorded cost is never taken below ``declared``."""
+    one more than a start without it). Where the record prices the burst,
+    ``wave_margin`` (the live margin) is kept a second time, as a rise
+    keeps it: both admit a wave whole at a measured cost, and a wave's peak
+    ran past that cost by more than one live margin (the 8 MiB demo under a
+    2.4 GB room: a serve that admitted 207 at once peaked 150 MB under the
+    limit; the next, 209 on the same record, was OOM-killed with 156 held).
+    The guess needs no second one: it carries the margin's growth part. A
+    record measured at fewer sequences than the guess admits is taken at
+    the guess where that is less: a light load's average carries the fixed
+    growth over few sequences. Where the room holds fewer than were
+    measured, the sequences given up are charged only their ``declared``
+    bytes (what one sequence frees at least). A recorded cost is never
+    taken below ``declared``."""
     if held is None:
         return room // guess, guess, ""
     recorded = max(held.cost_per_seq_bytes, declared)  # no sequence costs less than its declared bytes
-    each = recorded
-    basis = f"{recorded:,} B per sequence [measured by an earlier serve of this engine with {held.most_held} held]"
-    if held.most_held < room // guess and guess < recorded:
-        each = guess
-        basis = (f"{guess:,} B per sequence [the guess: {recorded:,} B measured with {held.most_held} held, "
-                 "fewer than the guess admits, is more]")
-    measured = held.most_held * each
+    if held.most_held < room // guess and guess <= recorded:
+        return room // guess, guess, (f"{guess:,} B per sequence [the guess: {recorded:,} B measured with "
+                                      f"{held.most_held} held, fewer than the guess admits, is more]")
+    room = max(room - wave_margin, 0)
+    basis = (f"{recorded:,} B per sequence [measured by an earlier serve of this engine with {held.most_held} held; "
+             f"the live margin kept twice, {wave_margin:,} B more, for a wave admitted whole]")
+    measured = held.most_held * recorded
     if measured > room:
         short = measured - room
         fits = max(held.most_held - -(-short // max(declared, 1)), 0)
-        basis += (f": fewer than {held.most_held} fit, so {held.most_held} - ceil({short:,} B short / "
-                  f"{declared:,} B declared per sequence)")
-        return fits, each, basis
-    past = max(min(BEYOND_RECORD_FACTOR * recorded, guess), each)
+        basis += (f": fewer than {held.most_held} fit in {room:,} B, so {held.most_held} - ceil({short:,} B "
+                  f"short / {declared:,} B declared per sequence)")
+        return fits, recorded, basis
+    past = max(min(BEYOND_RECORD_FACTOR * recorded, guess), recorded)
     fits = held.most_held + (room - measured) // past
     basis += (f" for {held.most_held}, and {past:,} B for each past them: "
               f"{held.most_held} + floor(({room:,} B - {measured:,} B) / {past:,} B)")
