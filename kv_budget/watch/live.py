@@ -165,8 +165,9 @@ def first_admission(plan: Plan, ceiling: int, remembered: CostRecord | None = No
     x the cost of one sequence <= free. The live margin is what the first
     sample's bound keeps, so that sample does not lower the limit for want
     of it; a burst priced by a record keeps it twice
-    (:func:`remembered_burst`). Why a burst near what the device holds, not the flat margin's
-    cap: a start low that rises admits waves of new sizes, and each leaves
+    (:func:`remembered_burst`). Why a burst near what the device holds,
+    not the flat margin's cap: a start low that rises admits waves of new
+    sizes, and each leaves
     the worker's allocator holding more per sequence than one wave of the
     same total (docs/live.md has the figures). The cost of one sequence is
     :func:`remembered_burst` where this engine served before, else
