@@ -88,17 +88,26 @@ class MemoryCgroup:
     def stat(self, name: str) -> int:
         """One figure of ``memory.stat``, by its v2 name (v1 reads the
         hierarchical ``total_`` one); 0 where the kernel has none."""
-        key = f"total_{name}" if self.version == "v1" else name
-        lines = self._file("memory.stat", "memory.stat").read_text().splitlines()
-        return next((int(line.split()[1]) for line in lines if line.startswith(f"{key} ")), 0)
+        return self._stats().get(name, 0)
+
+    def _stats(self) -> dict[str, int]:
+        """``memory.stat``, read once, by v2 names (v1's hierarchical ``total_`` figures)."""
+        prefix = "total_" if self.version == "v1" else ""
+        figures = {}
+        for line in self._file("memory.stat", "memory.stat").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key.startswith(prefix):
+                figures[key[len(prefix):]] = int(value)
+        return figures
 
     def file_pages(self) -> dict[str, int]:
         """The group's page cache, active and inactive, and its major faults
         so far: what shows the kernel reclaiming file pages to stay under the
         limit (a load that drops active file pages and faults them back has
-        lived on the code and data a working set counts as used)."""
-        return {"active_file_bytes": self.stat("active_file"), "inactive_file_bytes": self.stat("inactive_file"),
-                "major_faults": self.stat("pgmajfault")}
+        lived on the code and data a working set counts as used). One read."""
+        stats = self._stats()
+        return {"active_file_bytes": stats.get("active_file", 0),
+                "inactive_file_bytes": stats.get("inactive_file", 0), "major_faults": stats.get("pgmajfault", 0)}
 
     def peak(self) -> int | None:
         """The most the group used since it was made (v2 kernels before 5.19
