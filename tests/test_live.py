@@ -21,6 +21,7 @@ from kv_budget.watch.cost_record import CostRecord, HeldCost
 from kv_budget.settings import Policy
 from kv_budget.watch.live import (
     BEYOND_RECORD_FACTOR,
+    WAVE_SPREAD,
     DEAD_AFTER_COMPLETED,
     DeviceFree,
     LiveMeasurement,
@@ -539,40 +540,65 @@ def test_an_earlier_serve_of_this_engine_sets_the_first_bursts_cost():
     """The first burst is admitted at the cost an earlier serve measured
     (an average at the most it held), each sequence past those at twice it
     (a serve's growth rose faster than its sequences) or the guess where
-    that is less, the live margin kept twice (a wave admitted whole, as a
-    rise keeps it); where the room holds fewer than were measured, those
-    given up are charged their declared bytes only; a record of fewer
-    sequences than the guess admits is never taken above the guess."""
+    that is less, keeping the live margin free (here more than a tenth of
+    the burst's growth); where the room holds fewer than were measured,
+    those given up are charged their declared bytes only; a record of
+    fewer sequences than the guess admits is never taken above the
+    guess."""
     stage = Stage(RequestTalker())
     free, live_margin = 400 * 1024**2, 64 * 1024**2
     plan = default_margin_plan(stage, free)
     guess = ROW_BYTES + (1024**3 - live_margin) // 256
     room = free - live_margin
     assert first_admission(plan, 256).limit == room // guess == 89
-    priced = room - live_margin  # a burst a record prices keeps the live margin twice, as a rise does
+    assert int(free / (1 + WAVE_SPREAD)) > room  # a tenth of what fits is less than the live margin
     measured = 2 * 1024**2
     past = min(BEYOND_RECORD_FACTOR * measured, guess)
     assert past == guess  # twice the record is more than the guess: the guess
     first = first_admission(plan, 256, _record(100, measured))
-    assert first.limit == 100 + (priced - 100 * measured) // past == 119
-    assert first.cost_by_rank == {0: -(-(100 * measured + 19 * past) // 119)}
-    assert (f"at {measured:,} B per sequence [measured by an earlier serve of this engine with 100 held; the live "
-            f"margin kept twice, {live_margin:,} B more, for a wave admitted whole] for 100, and {past:,} B for each "
-            f"past them: 100 + floor(({priced:,} B - {100 * measured:,} B) / {past:,} B) = 119") in first.how
+    assert first.limit == 100 + (room - 100 * measured) // past == 136
+    assert first.cost_by_rank == {0: -(-(100 * measured + 36 * past) // 136)}
+    assert (f"at {measured:,} B per sequence [measured by an earlier serve of this engine with 100 held], in "
+            f"{room:,} B [the live margin or 10% of the burst's growth kept free, whichever is more: min({room:,} B, "
+            f"({room:,} B + {live_margin:,} B) / 1.1)] for 100, and {past:,} B for each past them: "
+            f"100 + floor(({room:,} B - {100 * measured:,} B) / {past:,} B) = 136") in first.how
     cheaper = first_admission(plan, 256, _record(100, measured // 2))
-    assert cheaper.limit == 100 + (priced - 100 * measured // 2) // measured == 186  # twice 1 MiB, under the guess
-    assert LiveMonitor(plan, remembered=_record(80, measured)).limit == 80 + (priced - 80 * measured) // past == 109
+    assert cheaper.limit == 100 + (room - 100 * measured // 2) // measured == 218  # twice 1 MiB, under the guess
+    assert LiveMonitor(plan, remembered=_record(80, measured)).limit == 80 + (room - 80 * measured) // past == 126
     short = first_admission(plan, 256, _record(200, measured))
-    deficit = 200 * measured - priced
+    deficit = 200 * measured - room
     assert short.limit == max(200 - -(-deficit // ROW_BYTES), 1) == 1  # a 5,120 B sequence frees little
     assert f"so 200 - ceil({deficit:,} B short / {ROW_BYTES:,} B declared" in short.how
     light = first_admission(plan, 256, _record(10, 8 * 1024**2))  # ten held, the fixed growth over few
-    assert light.limit == 89 and light.cost_by_rank == {0: guess}  # the guess, and its single live margin
+    assert light.limit == 89 and light.cost_by_rank == {0: guess}  # the guess
     assert "the guess: 8,388,608 B measured with 10 held, fewer than the guess admits, is more" in light.how
-    assert first_admission(plan, 256, _record(10, measured)).limit == 10 + (priced - 10 * measured) // guess == 77
+    assert first_admission(plan, 256, _record(10, measured)).limit == 10 + (room - 10 * measured) // guess == 94
     below = remembered_burst(room, guess, ROW_BYTES, HeldCost(most_held=100, cost_per_seq_bytes=1), live_margin)
     assert below[2].startswith(f"{ROW_BYTES:,} B per sequence [measured")  # a record under the declared bytes
-    assert below[0] == 100 + (priced - 100 * ROW_BYTES) // (2 * ROW_BYTES)  # is raised to them
+    assert below[0] == 100 + (room - 100 * ROW_BYTES) // (2 * ROW_BYTES)  # is raised to them
+
+
+def test_a_large_burst_a_record_prices_keeps_a_tenth_of_its_growth_free():
+    """Where a tenth of the burst's growth is more than the live margin,
+    that tenth is what stays free: the growth is at most what is free /
+    1.1 (8 MiB sequences under 2 GiB, as the demo's)."""
+    free, live_margin = 2 * 1024**3, 128 * 1024**2
+    declared, guess, measured = 8 * 1024**2, 12 * 1024**2, 10 * 1024**2
+    room = free - live_margin
+    spread = int(free / (1 + WAVE_SPREAD))
+    assert spread < room
+    fits, cost, how = remembered_burst(room, guess, declared, HeldCost(most_held=150, cost_per_seq_bytes=measured),
+                                       live_margin)
+    assert fits == 150 + (spread - 150 * measured) // guess == 180  # twice 10 MiB is more than the guess
+    growth = 150 * measured + 30 * guess
+    assert cost == -(-growth // 180)
+    assert free - growth >= growth * WAVE_SPREAD > live_margin  # a tenth of the growth stays free
+    assert fits < 150 + (room - 150 * measured) // guess  # where the live margin alone would admit more
+    assert f"in {spread:,} B [the live margin or 10% of the burst's growth kept free" in how
+    fewer, _, how = remembered_burst(room, guess, declared, HeldCost(most_held=190, cost_per_seq_bytes=measured),
+                                     live_margin)  # the record held more than fits with a tenth free
+    assert fewer == 190 - -(-(190 * measured - spread) // declared) == 185
+    assert f"fewer than 190 fit in {spread:,} B" in how
 
 
 def test_the_cost_worth_recording_is_the_one_at_the_most_held_or_a_lower_one():

@@ -72,6 +72,7 @@ __all__ = [
     "DEAD_AFTER_COMPLETED",
     "MAX_SAMPLING_FRACTION",
     "BEYOND_RECORD_FACTOR",
+    "WAVE_SPREAD",
     "first_admission",
     "FirstAdmission",
     "remembered_burst",
@@ -110,6 +111,19 @@ where the cost grows with the square of the sequences, the next one costs
 twice the average; the live margin covers what a wider step adds. Never
 more than the guess a start without a record charges each
 (:func:`burst_cost_bytes`)."""
+
+WAVE_SPREAD = 0.1
+"""What a first burst a cost record prices keeps free beyond the growth it
+is priced at, as a fraction of that growth, where that is more than the
+live margin. Why a fraction: the same load on the same engine grew by up
+to a tenth more in one serve than in another (vLLM's CPU build, the demo
+under a memory cgroup: 307 and 341 MB with 128 sequences of 1 MiB held;
+2,106 and 2,209 MB with 200 of 8 MiB; a serve admitting 209 at once on a
+record of 207 was OOM-killed), so a fixed amount is too little for a
+large wave and more than a small one needs. Why only there: a record
+prices a wave at what one serve measured, a wave the next serve admits
+whole; the guess carries the margin's growth part, and a rise keeps twice
+the live margin at a cost at least the first burst's."""
 
 DEAD_AFTER_COMPLETED = 16
 """Completed requests after which a retained per-sequence declaration that
@@ -164,8 +178,8 @@ def first_admission(plan: Plan, ceiling: int, remembered: CostRecord | None = No
     first burst the device holds, N where live margin + uncharged fixed + N
     x the cost of one sequence <= free. The live margin is what the first
     sample's bound keeps, so that sample does not lower the limit for want
-    of it; a burst priced by a record keeps it twice
-    (:func:`remembered_burst`). Why a burst near what the device holds,
+    of it; a burst priced by a record keeps a tenth of its growth where
+    that is more (:func:`remembered_burst`). Why a burst near what the device holds,
     not the flat margin's cap: a start low that rises admits waves of new
     sizes, and each leaves
     the worker's allocator holding more per sequence than one wave of the
@@ -195,23 +209,21 @@ def first_admission(plan: Plan, ceiling: int, remembered: CostRecord | None = No
 
 
 def remembered_burst(
-    room: int, guess: int, declared: int, held: HeldCost | None, wave_margin: int,
+    room: int, guess: int, declared: int, held: HeldCost | None, live_margin: int,
 ) -> tuple[int, int, str]:
-    """How many sequences fit ``room`` bytes, at what cost each on average,
-    and the arithmetic: at ``guess`` (:func:`burst_cost_bytes`) where this
-    engine has no record, else at the cost an earlier serve measured with
+    """How many sequences fit ``room`` bytes (what is free less the live
+    margin and the fixed bytes), at what cost each on average, and the
+    arithmetic: at ``guess`` (:func:`burst_cost_bytes`) where this engine
+    has no record, else at the cost an earlier serve measured with
     ``held.most_held`` sequences held, each sequence past those charged
-    :data:`BEYOND_RECORD_FACTOR` times it (a serve's growth rose faster than
-    its sequences) or the guess where that is less (a record never charges
-    one more than a start without it). Where the record prices the burst,
-    ``wave_margin`` (the live margin) is kept a second time, as a rise
-    keeps it: both admit a wave whole at a measured cost, and a wave's peak
-    ran past that cost by more than one live margin (the 8 MiB demo under a
-    2.4 GB room: a serve that admitted 207 at once peaked 150 MB under the
-    limit; the next, 209 on the same record, was OOM-killed with 156 held).
-    The guess needs no second one: it carries the margin's growth part. A
-    record measured at fewer sequences than the guess admits is taken at
-    the guess where that is less: a light load's average carries the fixed
+    :data:`BEYOND_RECORD_FACTOR` times it (a serve's growth rose faster
+    than its sequences) or the guess where that is less (a record never
+    charges one more than a start without it). Where the record prices the
+    burst, what stays free is the ``live_margin`` or
+    :data:`WAVE_SPREAD` of the burst's growth, whichever is more: the
+    growth is at most (room + live margin) / (1 + WAVE_SPREAD). A record
+    measured at fewer sequences than the guess admits is taken at the
+    guess where that is less: a light load's average carries the fixed
     growth over few sequences. Where the room holds fewer than were
     measured, the sequences given up are charged only their ``declared``
     bytes (what one sequence frees at least). A recorded cost is never
@@ -222,9 +234,11 @@ def remembered_burst(
     if held.most_held < room // guess and guess <= recorded:
         return room // guess, guess, (f"{guess:,} B per sequence [the guess: {recorded:,} B measured with "
                                       f"{held.most_held} held, fewer than the guess admits, is more]")
-    room = max(room - wave_margin, 0)
-    basis = (f"{recorded:,} B per sequence [measured by an earlier serve of this engine with {held.most_held} held; "
-             f"the live margin kept twice, {wave_margin:,} B more, for a wave admitted whole]")
+    spread = int((room + live_margin) / (1 + WAVE_SPREAD))
+    basis = (f"{recorded:,} B per sequence [measured by an earlier serve of this engine with {held.most_held} held]"
+             f", in {min(room, spread):,} B [the live margin or {WAVE_SPREAD:.0%} of the burst's growth kept free, "
+             f"whichever is more: min({room:,} B, ({room:,} B + {live_margin:,} B) / {1 + WAVE_SPREAD:g})]")
+    room = min(room, spread)
     measured = held.most_held * recorded
     if measured > room:
         short = measured - room
