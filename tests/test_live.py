@@ -288,6 +288,45 @@ def test_under_cap_with_a_measured_headroom_the_limit_follows_what_the_device_ho
     assert monitor.cost_per_seq == -(-10 * ROW_BYTES // 8) and monitor.memory_limit == 6 and idle.limit == 6
 
 
+def test_a_rise_is_read_at_the_worst_step_seen_not_at_the_last_interval():
+    """A step's transients depend on what it runs (a burst's prefill went
+    further above the between-steps level than the decode steps after
+    it), and the steps that admit a wave prefill again: an interval of
+    calm steps must not let a rise into memory an earlier interval showed
+    full. The worst excess above the between-steps level is kept for
+    rises and for the cost at the most held; the lowering bound still
+    reads the last interval. Memory taken from outside the worker, seen
+    between steps, is not kept: when it is returned, the limit rises."""
+    row = ROW_BYTES
+    stage = Stage(RequestTalker())
+    plan = measured_plan(stage, MARGIN + 40 * row)
+    assert plan.effective_max_num_seqs == 40
+    monitor, scanner = LiveMonitor(plan), HeldBytes(stage, ["talker"])
+    held(stage, 30)
+    prefill = monitor.observe(device_sample(stage, scanner, MARGIN + 10 * row, peak_excess=8 * row), running=30,
+                              finished_unfreed=0, completed=0, now=0.0)
+    assert prefill.limit == monitor.limit == 31  # 30 + floor(2 rows free at the peak / (38 / 30 rows))
+    held(stage, 31)
+    calm = monitor.observe(device_sample(stage, scanner, MARGIN + 9 * row, peak_excess=0), running=31,
+                           finished_unfreed=0, completed=0, now=1.0)
+    # Read at the last interval alone the device holds 40 (9 rows free, one row each): the rise would go there.
+    assert monitor.memory_limit == 31 + 9 * row // -(-39 * row // 31) == 38
+    assert calm.limit is None and monitor.limit == 31  # at the worst step one row is free: no rise
+    assert monitor.cost_to_record()[0].cost_per_seq_bytes == -(-39 * row // 31)
+
+    stage = Stage(RequestTalker())
+    monitor, scanner = LiveMonitor(plan), HeldBytes(stage, ["talker"])
+    held(stage, 30)
+    squeezed = monitor.observe(device_sample(stage, scanner, MARGIN + 5 * row), running=30, finished_unfreed=0,
+                               completed=0, now=0.0)  # another process holds 5 rows
+    assert squeezed.limit == monitor.limit == 34
+    held(stage, 34)
+    returned = monitor.observe(device_sample(stage, scanner, MARGIN + 6 * row), running=34, finished_unfreed=0,
+                               completed=0, now=1.0)
+    assert returned.limit == monitor.limit == 40
+    assert "the worst step seen (0 B above between steps)" in returned.findings[0].message
+
+
 def test_a_start_under_the_default_margin_takes_a_first_burst_then_rises_keeping_twice_the_live_margin():
     """Less is free than the default margin: the plan's cap is one sequence
     (the live margin leaves room). Admission starts at the first burst the
@@ -318,8 +357,8 @@ def test_a_start_under_the_default_margin_takes_a_first_burst_then_rises_keeping
                              finished_unfreed=0, completed=0, now=0.0)
     assert monitor.cost_per_seq == ROW_BYTES and monitor.memory_limit > 256
     assert update.limit == burst + (free - burst * ROW_BYTES - 2 * live_margin) // guess == 96
-    assert (f"a rise keeps twice the live margin at {guess:,} B per sequence added: 96; live limit 57 -> 96"
-            in update.findings[0].message)
+    assert (f"a rise keeps twice the live margin at the worst step seen (0 B above between steps), {guess:,} B "
+            f"per sequence added: 96; live limit 57 -> 96") in update.findings[0].message
 
 
 def test_before_the_first_burst_is_held_whole_its_cost_is_the_most_a_sequence_is_charged():

@@ -456,10 +456,11 @@ class _DeviceBound(BaseModel):
     rank: int
     bound: int
     rise: int
-    """What a rise may go to (:meth:`LiveMonitor._ramp`): the bound with
-    twice the live margin kept and each sequence added charged
-    :attr:`rise_cost`, or the startup cap where that is more (it kept the
-    whole margin); never past the bound."""
+    """What a rise may go to (:meth:`LiveMonitor._ramp`): what the device
+    holds at the worst step seen (:attr:`worst_excess`) with twice the
+    live margin kept and each sequence added charged :attr:`rise_cost`, or
+    the startup cap where that is more (it kept the whole margin); never
+    past the bound, nor past what the device holds at that step."""
     rise_cost: int | None = None
     """What one sequence of a rise is charged: the measured cost, or the
     first burst's cost where that is more. Why: a rise admits a new wave,
@@ -470,6 +471,18 @@ class _DeviceBound(BaseModel):
     how: str
     """The arithmetic, for the log."""
     source: str
+    worst_excess: int = 0
+    """The most the worker went above its between-steps level at any
+    sample (:attr:`DeviceFree.peak_excess_bytes`), kept for the serve: a
+    rise, and the cost at the most held, are read at that step, not at the
+    last interval's. Why: a step's transients depend on what it runs, not
+    only on how many are held (vLLM's CPU build, the 8 MiB demo: 190 MB
+    further above in the steps that prefilled the first burst than in the
+    decode steps after it), and the steps that admit a wave prefill again;
+    read from an interval of decode steps alone, a serve lowered from 185
+    to 176 rose to 192 three seconds later and was OOM-killed at 194.
+    Memory taken from outside the worker shows between steps, not here,
+    so a limit it lowered still rises when it is returned."""
 
 
 class LiveMonitor:
@@ -510,11 +523,11 @@ class LiveMonitor:
         self.cost_per_seq: int | None = None
         """The binding device's measured cost of one held sequence, at the last sample."""
         self._cost_at_most_held: dict[int, tuple[int, int]] = {}
-        """Per rank: (the most sequences held at a sample, the cost per
-        sequence measured then). The estimate with the engine's fixed part
-        spread widest, kept when the load drains: otherwise an idle engine,
-        nothing held, would read the declared bytes as the cost and let the
-        next burst in at once as if nothing else grew."""
+        """Per rank: (the most held at a sample, the highest cost per sequence
+        with that many held, at the worst step seen): the fixed part spread
+        widest, kept when the load drains, so an idle engine does not read
+        the declared bytes as the cost and let the next burst in at once."""
+        self._worst_excess: dict[int, int] = {}  # per rank: _DeviceBound.worst_excess, the most seen
         self._remembered = {rank: (held.most_held, held.cost_per_seq_bytes)  # last recorded or read
                             for rank, held in (remembered.ranks.items() if remembered is not None else ())}
         self.samples = self.samples_while_running = self.corrections = 0
@@ -641,14 +654,20 @@ class LiveMonitor:
     def _device_bound(self, rank: int, headroom: Headroom, free: DeviceFree) -> _DeviceBound:
         margin = live_margin_bytes(headroom)
         excess = free.peak_excess_bytes or 0
+        worst = self._worst_excess[rank] = max(self._worst_excess.get(rank, 0), excess)
         lowest = free.free_bytes - excess
+        # What was free at the worst step seen, at today's level between steps: what a wave's steps reach.
+        lowest_seen = free.free_bytes - worst
         planned = headroom.sharers * self.rank_per_seq_bytes(rank)
-        grown = max((headroom.sampled_free_bytes or free.free_bytes) - lowest, 0)
+        startup = headroom.sampled_free_bytes or free.free_bytes
+        grown = max(startup - lowest, 0)
         measured = -(-grown // self.held) if self.held else 0
+        grown_seen = max(startup - lowest_seen, 0)
+        measured_seen = -(-grown_seen // self.held) if self.held else 0
         most_held, at_most = self._cost_at_most_held.get(rank, (0, 0))
-        if self.held >= most_held and self.held:
-            self._cost_at_most_held[rank] = (self.held, measured)
-            most_held, at_most = self.held, measured
+        if self.held and (self.held > most_held or (self.held == most_held and measured_seen > at_most)):
+            self._cost_at_most_held[rank] = (self.held, measured_seen)
+            most_held, at_most = self.held, measured_seen
         burst = burst_cost_bytes(headroom, self.rank_per_seq_bytes(rank), self.plan.configured_max_num_seqs)
         if self.first is not None:
             burst = self.first.cost_by_rank.get(rank, burst)
@@ -670,7 +689,8 @@ class LiveMonitor:
         rise_cost = max(cost, self.first.cost_by_rank.get(rank, 0)) if self.first is not None else cost
         if cost:
             bound = self.held + (lowest - margin) // cost
-            rise = self.held + (lowest - 2 * margin) // rise_cost
+            rise = self.held + (lowest_seen - 2 * margin) // rise_cost
+            rise_bound = self.held + (lowest_seen - margin) // cost
             how = (f"held {self.held} + floor(({at_peak} - live margin {margin:,} B) / {cost:,} B per sequence "
                    f"[{basis}])")
             if first_burst is not None and bound < first_burst and grown <= first_burst * burst and lowest >= margin:
@@ -682,12 +702,14 @@ class LiveMonitor:
                 bound = first_burst
         else:
             bound = self.held if lowest < margin else self.ceiling
-            rise = self.held if lowest < 2 * margin else self.ceiling
+            rise = self.held if lowest_seen < 2 * margin else self.ceiling
+            rise_bound = self.held if lowest_seen < margin else self.ceiling
             how = f"nothing held or declared per sequence; {at_peak}, live margin {margin:,} B"
-        # The startup cap kept the whole margin: a rise may always go back to it, never past what the device holds.
-        rise = min(max(rise, self.plan.effective_max_num_seqs), bound)
+        # The startup cap kept the whole margin: a rise may always go back to it, never past what the device
+        # holds at the worst step seen.
+        rise = min(max(rise, self.plan.effective_max_num_seqs), bound, rise_bound)
         return _DeviceBound(rank=rank, bound=max(bound, 1), rise=max(rise, 1), rise_cost=rise_cost or None,
-                            cost=cost or None, how=how, source=free.source)
+                            cost=cost or None, how=how, source=free.source, worst_excess=worst)
 
     def _memory_finding(self, new: list[Finding], device: _DeviceBound, limit: int) -> None:
         """One finding where the device moved the live limit (or, under
@@ -696,8 +718,9 @@ class LiveMonitor:
         if acting and limit < self.limit:
             kind, action = "memory-low", f"live limit {self.limit} -> {limit}; running requests finish, new ones wait"
         elif acting and limit > self.limit:
-            kind, action = "memory-room", (f"a rise keeps twice the live margin at {device.rise_cost:,} B per "
-                                           f"sequence added: {device.rise}; live limit {self.limit} -> {limit}")
+            kind, action = "memory-room", (f"a rise keeps twice the live margin at the worst step seen "
+                                           f"({device.worst_excess:,} B above between steps), {device.rise_cost:,} B "
+                                           f"per sequence added: {device.rise}; live limit {self.limit} -> {limit}")
         elif not acting and device.bound < self.limit:
             kind, action = "memory-low", f"what fits is {device.bound}; policy warn: nothing is changed"
         else:
