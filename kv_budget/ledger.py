@@ -42,6 +42,7 @@ import json
 import math
 import os
 import re
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -73,6 +74,7 @@ __all__ = [
     "ledger_path",
     "open_ledger",
     "process_alive",
+    "process_start",
     "this_process",
 ]
 
@@ -105,8 +107,9 @@ class Reservation:
     device: str
     pid: int
     process_start: float
-    """``psutil.Process(pid).create_time()``: with the pid, identifies the
-    process even after the pid is recycled."""
+    """When the process started, in seconds after the host booted
+    (:func:`this_process`): with the pid, identifies the process even after
+    the pid is recycled."""
     engine: str
     """Who holds it, for the plan table ("pid 123: model /models/x")."""
     reserved_bytes: int
@@ -140,14 +143,34 @@ def process_alive(pid: int, process_start: float) -> bool:
     first process reaps nothing)."""
     try:
         process = psutil.Process(pid)
-        return abs(process.create_time() - process_start) < 0.01 and process.status() != psutil.STATUS_ZOMBIE
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return (abs(_started_after_boot(process) - process_start) < 0.01
+                and process.status() != psutil.STATUS_ZOMBIE)
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
         return False
 
 
 def this_process() -> tuple[int, float]:
-    pid = os.getpid()
-    return pid, psutil.Process(pid).create_time()
+    """This process's pid and start time, as :class:`Reservation` records them."""
+    return os.getpid(), process_start(os.getpid())
+
+
+def process_start(pid: int) -> float:
+    """The start time :class:`Reservation` records for ``pid``."""
+    return _started_after_boot(psutil.Process(pid))
+
+
+def _started_after_boot(process: psutil.Process) -> float:
+    """Seconds from boot to the process's start. On Linux the kernel's own
+    figure (``/proc/<pid>/stat``, in clock ticks), which no change of the
+    wall clock moves: ``create_time()`` adds the boot time, which the
+    kernel derives from the wall clock, so an NTP step or slew across a
+    second boundary would make a live engine look like a recycled pid and
+    drop its reservation."""
+    if sys.platform.startswith("linux"):
+        stat = Path(f"/proc/{process.pid}/stat").read_text()
+        # Fields after the command name, which may hold spaces and parentheses; starttime is field 22.
+        return int(stat.rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+    return process.create_time() - psutil.boot_time()
 
 
 class LedgerSession:

@@ -15,7 +15,7 @@ import torch
 
 from kv_budget import ModelLocalKVSpec
 from kv_budget.collect.model import Collection, OwnedSpec
-from kv_budget.ledger import LedgerError, open_ledger
+from kv_budget.ledger import LedgerError, open_ledger, process_start
 from kv_budget.plan.planner import budget_worker, headroom_override, shared_budget
 
 HOST = "host:test"
@@ -37,7 +37,7 @@ def _write(directory, entries) -> None:
 def test_a_recorded_reservation_is_seen_by_the_next_engine_and_replaced_on_replanning(tmp_path):
     other = _sleeper()
     try:
-        start = psutil.Process(other.pid).create_time()
+        start = process_start(other.pid)
         _write(tmp_path, [_entry(other.pid, start, 1000, "pid other: model m")])
         with open_ledger(tmp_path, [HOST]) as ledger:
             (seen,) = ledger.others(HOST)
@@ -58,7 +58,7 @@ def test_reservations_of_processes_that_are_gone_or_recycled_are_dropped(tmp_pat
     gone_pid = int(gone.stdout)
     alive = _sleeper()
     try:
-        start = psutil.Process(alive.pid).create_time()
+        start = process_start(alive.pid)
         _write(tmp_path, [
             _entry(gone_pid, 1.0, 111),
             _entry(alive.pid, start - 50.0, 222),  # same pid, another process: a recycled pid
@@ -73,6 +73,23 @@ def test_reservations_of_processes_that_are_gone_or_recycled_are_dropped(tmp_pat
     finally:
         if alive.poll() is None:
             alive.kill()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernel's start time is read from /proc")
+def test_a_live_engine_keeps_its_reservation_when_the_wall_clock_moves(tmp_path, monkeypatch):
+    """The kernel derives the boot time psutil adds to a process's start
+    from the wall clock: an NTP step moves it, not the process's identity."""
+    other = _sleeper()
+    try:
+        _write(tmp_path, [_entry(other.pid, process_start(other.pid), 1000)])
+        booted = psutil.boot_time()
+        monkeypatch.setattr(psutil._pslinux, "boot_time", lambda: booted + 1.0)  # the clock stepped one second
+        monkeypatch.setattr(psutil, "boot_time", lambda: booted + 1.0)
+        with open_ledger(tmp_path, [HOST]) as ledger:
+            assert [o.reserved_bytes for o in ledger.others(HOST)] == [1000]
+    finally:
+        other.kill()
+        other.wait()
 
 
 def test_the_ledger_is_locked_while_an_engine_plans(tmp_path):

@@ -18,7 +18,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -26,7 +25,7 @@ from hypothesis import strategies as st
 
 from kv_budget import ModelLocalKVSpec
 from kv_budget.collect.model import Collection, OwnedSpec
-from kv_budget.ledger import MAX_ENTRIES, MAX_RESERVED_BYTES, LedgerError, ledger_path, open_ledger
+from kv_budget.ledger import MAX_ENTRIES, MAX_RESERVED_BYTES, LedgerError, ledger_path, open_ledger, process_start
 from kv_budget.plan.planner import budget_worker, headroom_override, shared_budget
 from kv_budget.runtime_files import (
     MAX_FILE_BYTES,
@@ -48,7 +47,7 @@ FIX = "choose another with --model-local-kv-ledger-dir"
 def live_process():
     """Another engine that runs: (pid, start time)."""
     process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
-    yield process.pid, psutil.Process(process.pid).create_time()
+    yield process.pid, process_start(process.pid)
     process.kill()
     process.wait()
 
