@@ -1,33 +1,50 @@
 """Session-wide test settings.
 
 Every engine started by the tests (and the processes they spawn) records
-its model-local KV in a device ledger keyed by the host. A ledger of this
-run's own keeps engines of another test run, or a developer's server, on
-the same machine from lowering the caps the tests compute by hand. Under
-``pytest -n 2`` each worker is a session of its own, with its own ledger:
-engines of the two workers never see each other's reservations.
+its model-local KV in a device ledger keyed by the host. Each test module
+has a ledger of its own: engines of another module, of another test worker
+(``pytest -n 2``), of another test run or a developer's server on the same
+machine never lower the caps a module computes by hand. An engine of the
+module still running once the module is done is killed and reported there,
+at its cause, not as a wrong cap in whichever module comes next.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
 from engine_support import OMP_BIND_ENV
 
-from kv_budget.ledger import LEDGER_DIR_ENV
+from kv_budget.ledger import LEDGER_DIR_ENV, Reservation, ledger_path, open_ledger
+from kv_budget.sample.device import device_identity
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def private_device_ledger(tmp_path_factory):
     previous = os.environ.get(LEDGER_DIR_ENV)
-    os.environ[LEDGER_DIR_ENV] = str(tmp_path_factory.mktemp("device-ledger"))
-    yield os.environ[LEDGER_DIR_ENV]
+    directory = tmp_path_factory.mktemp("device-ledger")
+    os.environ[LEDGER_DIR_ENV] = str(directory)
+    yield str(directory)
     if previous is None:
         os.environ.pop(LEDGER_DIR_ENV, None)
     else:
         os.environ[LEDGER_DIR_ENV] = previous
+    left_running = _engines_still_recorded(directory)
+    for engine in left_running:
+        os.kill(engine.pid, signal.SIGKILL)
+    assert not left_running, f"engines of this module still ran after it and were killed: {left_running}"
+
+
+def _engines_still_recorded(directory: Path) -> list[Reservation]:
+    """The live processes with a reservation in ``directory``'s ledger."""
+    device = device_identity("cpu")
+    if not ledger_path(directory, device).exists():
+        return []
+    with open_ledger(directory, [device]) as ledger:
+        return ledger.others(device)
 
 
 @pytest.fixture(scope="session", autouse=True)

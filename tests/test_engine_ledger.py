@@ -111,7 +111,7 @@ def shared(checkpoint, tmp_path_factory) -> SharedRun:
     crashed_pid, temporary = _killed_holding_the_lock(Path(os.environ[LEDGER_DIR_ENV]), f"host:{socket.gethostname()}")
     a = _shared_server(checkpoint, root / "a", SHARE_A)
     b = _shared_server(checkpoint, root / "b", SHARE_B)
-    with ExitStack() as running:  # stops B, then A (killed by then), whatever fails
+    with ExitStack() as running:  # stops C (should it start), B, then A (killed by then), whatever fails
         running.enter_context(a.server)
         temporary_left = temporary.exists()
         running.enter_context(b.server)
@@ -119,7 +119,7 @@ def shared(checkpoint, tmp_path_factory) -> SharedRun:
         peaks = [a.peak()[0], b.peak()[0]]
         blocked = _shared_server(checkpoint, root / "c-blocked", None)
         with pytest.raises(ServerStartError) as refused:
-            blocked.server.start()
+            running.enter_context(blocked.server)  # stopped with the others should it start
         blocked.server.stop()
         os.killpg(a.server._process.pid, signal.SIGKILL)
         a.server._process.wait(timeout=30)

@@ -10,6 +10,7 @@ per thread, all released together, so the scheduler sees them at once.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -26,6 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, TypeVar
+
+import psutil
 
 T = TypeVar("T")
 
@@ -104,7 +107,7 @@ class ApiServer:
                 )
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
-                    if response.status == 200:
+                    if response.status == 200 and self._serves_the_port():
                         self.startup_seconds = time.monotonic() - began
                         return self
             except (urllib.error.URLError, ConnectionError, TimeoutError):
@@ -116,17 +119,39 @@ class ApiServer:
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
+    def _serves_the_port(self) -> bool:
+        """Whether this server, not another that was handed the same free
+        port (a test run beside this one), is the one listening on it."""
+        try:
+            server = psutil.Process(self._process.pid)
+            processes = [server, *server.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return False
+        for process in processes:
+            try:
+                if any(c.status == psutil.CONN_LISTEN and c.laddr.port == self.port
+                       for c in process.net_connections(kind="tcp")):
+                    return True
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        return False
+
     def stop(self) -> None:
         process = getattr(self, "_process", None)
-        if process is None or process.poll() is not None:
+        if process is None:
             return
         # The server and its engine-core and worker children share a session.
-        os.killpg(process.pid, signal.SIGINT)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGINT)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait(timeout=30)
+        # A child that outlived the server (a server killed outright, a slow shutdown) would go on holding
+        # memory and its ledger reservation.
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=30)
         self._log.close()
 
     def __enter__(self) -> ApiServer:
