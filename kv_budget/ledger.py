@@ -151,7 +151,8 @@ def process_alive(pid: int, process_start: float) -> bool:
 
 def this_process() -> tuple[int, float]:
     """This process's pid and start time, as :class:`Reservation` records them."""
-    return os.getpid(), process_start(os.getpid())
+    pid = os.getpid()
+    return pid, process_start(pid)
 
 
 def process_start(pid: int) -> float:

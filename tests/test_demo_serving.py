@@ -51,7 +51,7 @@ def test_another_server_answering_on_the_port_is_not_taken_for_this_one(tmp_path
 
 
 SLOW_CHILD = """
-import http.server, os, signal, subprocess, sys
+import http.server, subprocess, sys
 child = subprocess.Popen([sys.executable, "-c",
     "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); print(flush=True); time.sleep(120)"],
     stdout=subprocess.PIPE)
