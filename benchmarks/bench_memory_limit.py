@@ -29,8 +29,9 @@ completions:
 It prints, per configuration, the limit, each run's peak usage, OOM kills
 and requests completed, where the memory went (each process's growth
 during the load), and kv-budget's limit (the largest live limit it applied,
-its first admission included, else its startup cap) in its first and its
-last serve against the operator's figure.
+its first admission included, else its startup cap, never more than the
+most sequences the model held at once) in its first and its last serve
+against the operator's figure.
 
     .venv/bin/python benchmarks/bench_memory_limit.py                      # JSON into benchmarks/results/
     .venv/bin/python benchmarks/bench_memory_limit.py --configs 2048:1.6GB --bisect-steps 3 --serves 2
@@ -85,8 +86,11 @@ def _file_pages(run: dict) -> str:
 
 
 def kv_budget_figure(run: dict) -> int | None:
-    """kv-budget's limit in a run: the largest live limit it applied, else its startup cap."""
-    return run.get("live_limit_max") or run.get("max_num_seqs")
+    """kv-budget's limit in a run: the largest live limit it applied, else its startup cap, never more
+    than the most sequences the model held at once (a limit no wave filled has not been shown to hold)."""
+    limit = run.get("live_limit_max") or run.get("max_num_seqs")
+    held = run.get("peak_sequences")
+    return min(limit, held) if limit and held else limit
 
 
 def run_config(work: Path, positions: int, room: int, requests: int, bisect_steps: int,

@@ -663,3 +663,65 @@ def test_the_cost_worth_recording_is_the_one_at_the_most_held_or_a_lower_one():
     assert exact.first is None and exact.limit == explicit.effective_max_num_seqs  # an exact headroom: no burst
     exact.observe(sample(stage, scanner), running=30, finished_unfreed=0, completed=0, now=0.0)
     assert exact.cost_to_record() is None
+
+
+def test_where_nothing_runs_the_next_burst_is_what_a_start_on_the_measured_cost_admits():
+    """A wave done with requests waiting (or an idle engine) admits its next
+    burst as a start of this engine on the cost this serve measured would
+    (:func:`first_admission` on that record), not as a rise on top of held
+    sequences: the room is what was free at startup, less what other
+    processes took since (the device's drift beyond the workers' own
+    growth). Where the workers' growth cannot be read, the finished
+    requests' rows are what comes back."""
+    stage = Stage(RequestTalker())
+    free, cost = 400 * 1024**2, 3 * 1024**2
+    plan = default_margin_plan(stage, free)
+    monitor, scanner = LiveMonitor(plan), HeldBytes(stage, ["talker"])
+    assert monitor.limit == 89
+    held(stage, 89)
+
+    def device(free_now: int, growth: int | None) -> list[WorkerSample]:
+        (one,) = sample(stage, scanner)
+        return [one.model_copy(update={"free": DeviceFree(free_bytes=free_now, source="test device",
+                                                          process_growth_bytes=growth)})]
+
+    wave = monitor.observe(device(free - 89 * cost, 89 * cost), running=89, finished_unfreed=0, completed=0, now=0.0)
+    assert wave.limit == 90  # held whole: a rise on top of it keeps twice the live margin, one more fits
+    restart = first_admission(plan, 256, _record(89, cost)).limit
+    assert restart == 107  # 89 + (336 MiB - 89 x 3 MiB) / the guess
+    drained = monitor.observe(device(free - 89 * cost, 89 * cost), running=0, finished_unfreed=89, completed=89,
+                              waiting=167, now=1.0)
+    assert drained.limit == monitor.limit == restart
+    (finding,) = drained.findings
+    assert finding.kind == "memory-room" and "nothing runs, so the next admission is a new burst" in finding.message
+    assert f"now {free - 89 * cost:,} B + {89 * cost:,} B the workers' own growth" in finding.message
+    # The next wave runs: no new burst while anything runs, and a full wave does not lower the limit.
+    assert monitor.observe(device(free - 107 * cost, 107 * cost), running=107, finished_unfreed=0, completed=89,
+                           waiting=60, now=2.0).limit is None
+
+    # Another process took 10 MiB since startup: it comes off the room.
+    others = 10 * 1024**2
+    monitor = LiveMonitor(plan)
+    monitor.observe(device(free - 89 * cost, 89 * cost), running=89, finished_unfreed=0, completed=0, now=0.0)
+    squeezed = monitor.observe(device(free - 89 * cost - others, 89 * cost), running=0, finished_unfreed=89,
+                               completed=89, waiting=167, now=1.0)
+    at_most = -(-(89 * cost + others) // 89)  # read with the 89 finished still held
+    guess = ROW_BYTES + (1024**3 - 64 * 1024**2) // 256
+    expected = remembered_burst(free - others - 64 * 1024**2, guess, ROW_BYTES,
+                                HeldCost(most_held=89, cost_per_seq_bytes=at_most), 64 * 1024**2)[0]
+    assert squeezed.limit == expected == 102 < restart
+
+    # No growth figure: what the finished rows hold now comes back, nothing more; an idle engine the same.
+    monitor = LiveMonitor(plan)
+    monitor.observe(device(free - 89 * cost, None), running=89, finished_unfreed=0, completed=0, now=0.0)
+    rows = scanner.measure()["talker"]
+    assert rows == 89 * ROW_BYTES
+    blind = monitor.observe(device(free - 10 * cost, None), running=0, finished_unfreed=89, completed=89,
+                            waiting=167, now=1.0)  # the wave's working memory went back between steps
+    assert blind.limit == remembered_burst(free - 10 * cost + rows - 64 * 1024**2, guess, ROW_BYTES,
+                                           HeldCost(most_held=89, cost_per_seq_bytes=cost), 64 * 1024**2)[0] == 99
+    assert f"+ {rows:,} B the finished requests' rows" in blind.findings[0].message
+    stage.talker.caches.clear()
+    idle = monitor.observe(device(free - 10 * cost, 10 * cost), running=0, finished_unfreed=0, completed=89,
+                           now=2.0)
+    assert idle.limit == monitor.limit == restart
