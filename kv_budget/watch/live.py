@@ -489,13 +489,14 @@ class _DeviceBound(BaseModel):
     """Where nothing runs (the engine drained: idle, or a wave done with
     requests waiting), what the next burst may be: what a start of this
     engine on the cost this serve measured would admit
-    (:func:`worker_burst`), over what is free now with the finished
-    requests' rows freed or what was free at startup, whichever is less.
-    Why: the next admission is then a new burst, not a wave on top of held
-    sequences, and a burst priced by a measured cost is what a restart on
-    the cost record admits; without it an engine that never restarts
-    keeps the guess it started on."""
+    (:func:`worker_burst`), over what was free at startup less what other
+    processes took since (:meth:`LiveMonitor._fresh_burst`). Why: the next
+    admission is then a new burst, not a wave on top of held sequences,
+    and a burst priced by a measured cost is what a restart on the cost
+    record admits; without it an engine that never restarts keeps rising
+    from the guess it started on. None while anything runs."""
     fresh_how: str = ""
+    """:attr:`fresh`'s arithmetic, for the log."""
     cost: int | None
     how: str
     """The arithmetic, for the log."""
