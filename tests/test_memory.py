@@ -350,25 +350,6 @@ def test_the_process_peak_is_the_high_water_mark_above_the_resident_set_and_is_r
     assert ProcessPeak("xpu").read() is None
 
 
-def test_the_process_growth_is_its_anonymous_resident_memory_since_the_watch_began(tmp_path):
-    """File pages (a model's mapped weights) were charged to the device
-    before the watch began: only anonymous memory is the engine's growth."""
-    from kv_budget.sample.device import ProcessPeak
-
-    (tmp_path / "self").mkdir()
-    status = tmp_path / "self" / "status"
-    (tmp_path / "self" / "clear_refs").write_text("")
-    status.write_text("VmHWM:\t 900000 kB\nVmRSS:\t 900000 kB\nRssAnon:\t 100000 kB\nRssFile:\t 800000 kB\n")
-    peak = ProcessPeak("cpu", proc_root=tmp_path)
-    assert peak.growth() is None  # not begun
-    peak.begin()
-    status.write_text("VmHWM:\t 1400000 kB\nVmRSS:\t 1300000 kB\nRssAnon:\t 350000 kB\nRssFile:\t 950000 kB\n")
-    assert peak.growth() == 250000 * 1024 and peak.read() == 100000 * 1024
-    status.write_text("VmHWM:\t 1300000 kB\nVmRSS:\t 1300000 kB\n")
-    assert peak.growth() is None  # no anonymous figure: the watch falls back on what the rows free
-    assert ProcessPeak("xpu").growth() is None
-
-
 @pytest.mark.parametrize("version", ["v1", "v2"])
 def test_the_demos_cgroup_reads_its_page_cache_and_major_faults(tmp_path, version):
     """The memory-limit demo reports what the kernel took back from the

@@ -338,37 +338,3 @@ def test_the_engine_cores_wait_for_the_workers_answers_is_not_the_samples_cost()
     hook.sample(core, now=0.0)
     assert hook.monitor.samples == 1 and hook.stopped is None
     assert 0.002 <= hook.monitor.last_sample_seconds < 0.03  # the 0.05 s spent polling is not in it
-
-
-@pytest.mark.parametrize("following", [True, False])
-def test_a_wave_done_with_requests_waiting_is_sampled_at_once_where_the_limit_follows_the_device(following):
-    """Every running request finished and others wait: the next step admits
-    a new burst, so the hook samples now (the monitor prices that burst),
-    not at the next due sample. Not where the limit cannot follow the
-    device (an operator's headroom), nor while anything still runs."""
-    from kv_budget.collect.model import Collection
-    from kv_budget.plan.planner import budget_worker, headroom_from_free, headroom_override, make_plan
-    from kv_budget.startup import EngineContext
-    from kv_budget.watch.live import LiveMeasurement
-    from vllm_patches.live_hook import LiveHook, LiveStart
-
-    calls = []
-
-    def collective_rpc(method, args=()):
-        calls.append(method.__name__)
-        return [LiveMeasurement(rank=0).model_dump(mode="json")]
-
-    headroom = headroom_from_free(4 << 30, 8 << 30, "test device") if following else headroom_override(1 << 30)
-    worker = budget_worker(Collection(specs=(), failures=()), headroom, max_num_seqs=8)
-    engine = EngineContext(settings=ModelLocalKVSettings(cost_record_dir="off"), configured_max_num_seqs=8,
-                           label="test", vllm_figures={})
-    scheduler = SimpleNamespace(running=["a"], finished_req_ids={"b"}, get_num_unfinished_requests=lambda: 3)
-    core = SimpleNamespace(scheduler=scheduler, collective_rpc=collective_rpc, engine_index=0)
-    hook = LiveHook(core, SimpleNamespace(model_config=SimpleNamespace(model="test")),
-                    LiveStart(plan=make_plan([worker], 8, "cap"), engine=engine))
-    assert hook.monitor.follows_device is following and hook.monitor.step_peaks  # due samples wait for a window
-    hook.after_step(core, None)
-    assert calls == []  # one still runs
-    scheduler.running = []
-    hook.after_step(core, None)
-    assert calls == (["measure_on_worker"] if following else []) and hook.monitor.samples == len(calls)

@@ -113,9 +113,8 @@ def rpc_on_workers(core: Any, method: Any, args: tuple = ()) -> tuple[list[Any],
 def start_peak_on_worker(worker: Any) -> None:
     """Runs in every worker (``collective_rpc``) when live sampling begins:
     count this process's peak from now, so startup's own (weights, the
-    profile run) is not read as the first step's, and its growth from what
-    it holds now."""
-    _process_peak(worker).begin()
+    profile run) is not read as the first step's."""
+    _process_peak(worker).read()
 
 
 def watch_step_on_worker(worker: Any, owners_by_rank: dict[int, list[str]]) -> dict:
@@ -174,9 +173,8 @@ def measure_on_worker(worker: Any, owners_by_rank: dict[int, list[str]],
             device = worker.device
             with contextlib.suppress(MemorySamplingError):
                 sampled = sample_memory(device.type, device.index or 0)
-                peak = _process_peak(worker)
                 result.free = DeviceFree(free_bytes=sampled.free_bytes, source=sampled.source,
-                                         peak_excess_bytes=peak.read(), process_growth_bytes=peak.growth())
+                                         peak_excess_bytes=_process_peak(worker).read())
     except UnsupportedCacheError as exc:
         result.error = str(exc)
     except Exception as exc:  # noqa: BLE001 - a sample must never take the engine down
@@ -395,11 +393,7 @@ class LiveHook:
         watched = self.watching
         # With step peaks on, a due sample waits for the next step, whose window before_step opens.
         due = not idle and not self.monitor.step_peaks and self.monitor.due(now)
-        # Every running request finished and others wait: the next step admits a new burst, which a
-        # sample now prices (kv_budget.watch.live: the limit where nothing runs).
-        drained = (not idle and self.monitor.follows_device and not scheduler.running
-                   and bool(scheduler.finished_req_ids) and not parked_requests(scheduler))
-        if self.stopped is None and (watched or became_idle or due or drained):
+        if self.stopped is None and (watched or became_idle or due):
             self.sample(core, now)
 
     def sample(self, core: Any, now: float) -> None:

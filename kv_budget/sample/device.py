@@ -364,48 +364,13 @@ class ProcessPeak:
     allocator, ``max_memory_reserved`` less ``memory_reserved``, reset with
     ``reset_peak_memory_stats``. :meth:`read` returns None where neither
     can be read (another device type, a kernel without the files): the
-    watch then works from free memory alone.
-
-    It also says how much more the process holds now than when the watch
-    began (:meth:`begin`, :meth:`growth`): the engine's own growth, so what
-    the device lost beyond it since startup is another process's."""
+    watch then works from free memory alone."""
 
     def __init__(self, device_type: str, torch_index: int = 0, proc_root: Path = Path("/proc")) -> None:
         self.device_type = device_type
         self.torch_index = torch_index
         self._status = proc_root / "self" / "status"
         self._clear_refs = proc_root / "self" / "clear_refs"
-        self._baseline: int | None = None
-
-    def begin(self) -> None:
-        """Start counting: the peak from now, and the growth from what the process holds now."""
-        self.read()
-        self._baseline = self._held()
-
-    def growth(self) -> int | None:
-        """Bytes the process holds now beyond what it held at :meth:`begin`
-        (negative where it gave some back); None before it or where it
-        cannot be read. ``"cpu"``: anonymous resident memory (``RssAnon``),
-        not the whole resident set, whose file pages (a model's mapped
-        weights, touched by the first forward) were charged to the device
-        before the watch began; ``"cuda"``: torch's ``memory_reserved``."""
-        held = self._held()
-        if held is None or self._baseline is None:
-            return None
-        return held - self._baseline
-
-    def _held(self) -> int | None:
-        if self.device_type == "cuda":
-            import torch
-
-            return int(torch.cuda.memory_reserved(self.torch_index))
-        if self.device_type != "cpu":
-            return None
-        try:
-            fields = dict(line.split(":", 1) for line in self._status.read_text().splitlines() if ":" in line)
-            return int(fields["RssAnon"].split()[0]) * 1024
-        except (OSError, KeyError, ValueError, IndexError):
-            return None
 
     def read(self) -> int | None:
         """Bytes above the present since the previous call (or since the

@@ -189,36 +189,23 @@ def first_admission(plan: Plan, ceiling: int, remembered: CostRecord | None = No
     start = FirstAdmission(limit=ceiling, how=f"the ceiling {ceiling}")
     costs: dict[int, int] = {}
     for worker in plan.workers:
-        free = worker.headroom.sampled_free_bytes
-        held = remembered.ranks.get(worker.rank) if remembered is not None else None
-        burst = worker_burst(worker, plan, free, held) if free is not None else None
-        if burst is None:
+        headroom = worker.headroom
+        guess = burst_cost_bytes(headroom, worker.per_seq_bytes, plan.configured_max_num_seqs)
+        if headroom.sampled_free_bytes is None or not guess:
             continue
-        fits, costs[worker.rank], how = burst
+        live = live_margin_bytes(headroom)
+        fixed = headroom.sharers * (worker.uncharged_fixed_bytes + headroom.reserved_by_others_bytes)
+        room = max(headroom.sampled_free_bytes - live - fixed, 0)
+        held = remembered.ranks.get(worker.rank) if remembered is not None else None
+        fits, cost, basis = remembered_burst(room, guess, headroom.sharers * worker.per_seq_bytes, held, live)
+        costs[worker.rank] = cost
         if fits < start.limit:
-            start = FirstAdmission(limit=max(fits, 1), how=f"rank {worker.rank}: {how}")
+            if held is None:
+                basis = f"{cost:,} B per sequence [{_burst_cost_text(headroom, worker.per_seq_bytes, plan)}]"
+            start = FirstAdmission(limit=max(fits, 1), how=(
+                f"rank {worker.rank}: (free {headroom.sampled_free_bytes:,} B - live margin {live:,} B "
+                f"- fixed and other engines' {fixed:,} B) at {basis} = {fits}"))
     return start.model_copy(update={"cost_by_rank": costs})
-
-
-def worker_burst(worker: WorkerBudget, plan: Plan, free: int, held: HeldCost | None) -> tuple[int, int, str] | None:
-    """How many sequences one worker's device holds in a burst admitted
-    at once with ``free`` bytes free on it, the cost of one, and the
-    arithmetic: :func:`remembered_burst` over what is free less the live
-    margin, the uncharged fixed bytes and other engines' reservations, at
-    ``held`` (a measured cost) or the guess. None where nothing is
-    declared per sequence (no burst to price)."""
-    headroom = worker.headroom
-    guess = burst_cost_bytes(headroom, worker.per_seq_bytes, plan.configured_max_num_seqs)
-    if not guess:
-        return None
-    live = live_margin_bytes(headroom)
-    fixed = headroom.sharers * (worker.uncharged_fixed_bytes + headroom.reserved_by_others_bytes)
-    room = max(free - live - fixed, 0)
-    fits, cost, basis = remembered_burst(room, guess, headroom.sharers * worker.per_seq_bytes, held, live)
-    if held is None:
-        basis = f"{cost:,} B per sequence [{_burst_cost_text(headroom, worker.per_seq_bytes, plan)}]"
-    how = f"(free {free:,} B - live margin {live:,} B - fixed and other engines' {fixed:,} B) at {basis} = {fits}"
-    return fits, cost, how
 
 
 def remembered_burst(
@@ -311,11 +298,6 @@ class DeviceFree(BaseModel):
     since the previous sample (:class:`kv_budget.sample.device.ProcessPeak`):
     what was free at the steps' peak is ``free_bytes`` less this. None where
     it cannot be read."""
-    process_growth_bytes: int | None = None
-    """How much more the worker's process holds now than when the watch
-    began (:meth:`kv_budget.sample.device.ProcessPeak.growth`): the
-    engine's own, so what the device lost beyond it since startup another
-    process took. None where it cannot be read."""
 
 
 class WorkerSample(BaseModel):
@@ -485,18 +467,6 @@ class _DeviceBound(BaseModel):
     and on vLLM's CPU build a wave cost 1.6-1.8 times the average of the
     sequences held before it (the allocator's arenas grow for each new
     size), which the average cannot show until the wave is held."""
-    fresh: int | None = None
-    """Where nothing runs (the engine drained: idle, or a wave done with
-    requests waiting), what the next burst may be: what a start of this
-    engine on the cost this serve measured would admit
-    (:func:`worker_burst`), over what was free at startup less what other
-    processes took since (:meth:`LiveMonitor._fresh_burst`). Why: the next
-    admission is then a new burst, not a wave on top of held sequences,
-    and a burst priced by a measured cost is what a restart on the cost
-    record admits; without it an engine that never restarts keeps rising
-    from the guess it started on. None while anything runs."""
-    fresh_how: str = ""
-    """:attr:`fresh`'s arithmetic, for the log."""
     cost: int | None
     how: str
     """The arithmetic, for the log."""
@@ -546,10 +516,10 @@ class LiveMonitor:
         self.bytes_limit = plan.effective_max_num_seqs
         """The startup value, lowered where the measured caches call for it; never raised."""
         self.memory_limit: int | None = None
-        """What the devices hold at the measured cost (:meth:`_watch_memory`); None while none was read."""
+        """What the devices hold at the sequences' measured cost
+        (:meth:`_watch_memory`); None while none was read."""
         self.rise_limit: int | None = None
         """What a rise may go to at the last sample (:meth:`_ramp`); None while none was read."""
-        self._fresh: _DeviceBound | None = None  # nothing ran at the last sample: the rank with the least fresh
         self.cost_per_seq: int | None = None
         """The binding device's measured cost of one held sequence, at the last sample."""
         self._cost_at_most_held: dict[int, tuple[int, int]] = {}
@@ -623,8 +593,7 @@ class LiveMonitor:
             self._correct(new)
         watched = self._watch_memory(samples)
         if self.follows_device and self.memory_limit is not None:
-            fresh = self._fresh.fresh if self._fresh is not None else None
-            limit = min(self._ramp(self.memory_limit, self.rise_limit, fresh), self.ceiling)
+            limit = min(self._ramp(self.memory_limit, self.rise_limit), self.ceiling)
         else:
             limit = min(self.bytes_limit, self.memory_limit or self.bytes_limit)
         if watched is not None:
@@ -640,12 +609,8 @@ class LiveMonitor:
                 self.peak_within_limit[rank] = max(self.peak_within_limit[rank], at_once)
         return LiveUpdate(findings=new, limit=limit if applies else None)
 
-    def _ramp(self, lower: int, rise: int, fresh: int | None) -> int:
-        """Where nothing runs, the next burst the device holds (``fresh``,
-        :attr:`_DeviceBound.fresh`, which counts what others took since
-        startup; the lowering bound would count the workers' own growth
-        twice, in what is free and in the cost). Else lower at once, to
-        what the device holds (``lower``); rise only
+    def _ramp(self, lower: int, rise: int) -> int:
+        """Lower at once, to what the device holds (``lower``); rise only
         while as many are held as the limit allows (more fit and requests
         wait to be admitted), straight to what the device holds with twice
         the live margin kept, or back to the startup cap (``rise``): one
@@ -656,8 +621,6 @@ class LiveMonitor:
         first wave of 137 took 36 MB more than their measured cost), and a
         rise to the lowering bound itself left the limit see-sawing with
         the device at its limit."""
-        if fresh is not None:
-            return fresh
         if lower < self.limit:
             return lower
         if self.held < self.limit or rise <= self.limit:
@@ -681,12 +644,11 @@ class LiveMonitor:
                 continue
             bounds.append(self._device_bound(sample.rank, worker.headroom, sample.free))
         if not bounds:
-            self.memory_limit = self.rise_limit = self._fresh = self.cost_per_seq = None
+            self.memory_limit = self.rise_limit = self.cost_per_seq = None
             return None
         binding = min(bounds, key=lambda b: b.bound)
         self.memory_limit, self.cost_per_seq = binding.bound, binding.cost
         self.rise_limit = min(b.rise for b in bounds)
-        self._fresh = None if any(b.fresh is None for b in bounds) else min(bounds, key=lambda b: b.fresh)
         return binding
 
     def _device_bound(self, rank: int, headroom: Headroom, free: DeviceFree) -> _DeviceBound:
@@ -746,50 +708,14 @@ class LiveMonitor:
         # The startup cap kept the whole margin: a rise may always go back to it, never past what the device
         # holds at the worst step seen.
         rise = min(max(rise, self.plan.effective_max_num_seqs), bound, rise_bound)
-        fresh, fresh_how = self._fresh_burst(rank, free, most_held, at_most)
-        return _DeviceBound(rank=rank, bound=max(bound, 1), rise=max(rise, 1), rise_cost=rise_cost or None, fresh=fresh,
-                            fresh_how=fresh_how, cost=cost or None, how=how, source=free.source, worst_excess=worst)
-
-    def _fresh_burst(self, rank: int, free: DeviceFree, most_held: int, at_most: int) -> tuple[int | None, str]:
-        """:attr:`_DeviceBound.fresh` on one rank (None while something runs
-        or nothing was measured), at ``at_most`` per sequence with
-        ``most_held`` held (:attr:`_cost_at_most_held`). What is free for it is
-        what was free at startup less what other processes took since: what
-        is free now plus the workers' own growth since the watch began (the
-        measured cost carries that growth, as a restart's record does); where
-        that growth cannot be read, what is free now plus the finished
-        requests' rows (what the owners hold now, at most their declared
-        bytes each), freed before the next burst is allocated."""
-        if self.running or self.parked or not most_held or not at_most:
-            return None, ""
-        worker = self.workers[rank]
-        sharers = worker.headroom.sharers
-        startup = worker.headroom.sampled_free_bytes or free.free_bytes
-        if free.process_growth_bytes is not None:
-            back = sharers * max(free.process_growth_bytes, 0)
-            why = "the workers' own growth since the watch began"
-        else:
-            back = sharers * min(self.bytes[rank], self.held * self.rank_per_seq_bytes(rank))
-            why = "the finished requests' rows"
-        measured = HeldCost(most_held=most_held, cost_per_seq_bytes=at_most)
-        burst = worker_burst(worker, self.plan, min(startup, free.free_bytes + back), measured)
-        if burst is None:
-            return None, ""
-        fits, _, how = burst
-        return max(fits, 1), (f"free at startup {startup:,} B or now {free.free_bytes:,} B + {back:,} B {why}, "
-                              f"whichever is less: {how}")
+        return _DeviceBound(rank=rank, bound=max(bound, 1), rise=max(rise, 1), rise_cost=rise_cost or None,
+                            cost=cost or None, how=how, source=free.source, worst_excess=worst)
 
     def _memory_finding(self, new: list[Finding], device: _DeviceBound, limit: int) -> None:
         """One finding where the device moved the live limit (or, under
         ``warn``, would lower it)."""
         acting = self.plan.policy in CORRECTING_POLICIES
-        if acting and limit != self.limit and self._fresh is not None:
-            fresh = self._fresh
-            kind, action = "memory-low" if limit < self.limit else "memory-room", (
-                f"nothing runs, so the next admission is a new burst, at what a start on the cost this serve "
-                f"measured admits [rank {fresh.rank}: {fresh.fresh_how}]; live limit {self.limit} -> {limit}"
-                + (" (the ceiling)" if limit < fresh.fresh else ""))
-        elif acting and limit < self.limit:
+        if acting and limit < self.limit:
             kind, action = "memory-low", f"live limit {self.limit} -> {limit}; running requests finish, new ones wait"
         elif acting and limit > self.limit:
             kind, action = "memory-room", (f"a rise keeps twice the live margin at the worst step seen "
