@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import types
 from pathlib import Path
 
@@ -348,6 +350,33 @@ def test_the_process_peak_is_the_high_water_mark_above_the_resident_set_and_is_r
     status.write_text("Name:\tpython\n")
     assert peak.read() is None  # no high-water mark to read: the watch works from free memory alone
     assert ProcessPeak("xpu").read() is None
+
+
+_HEAP_SLACK = """
+import ctypes
+from kv_budget.sample.device import return_free_heap
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+libc.mallopt(-3, 64 << 20)  # M_MMAP_THRESHOLD: 8 MiB blocks come from the heap, as a step's tensors under 32 MiB do
+libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: free() keeps what it frees, as the heap does under a later block
+blocks = [libc.malloc(8 << 20) for _ in range(20)]
+for block in blocks:
+    ctypes.memset(block, 1, 8 << 20)
+for block in blocks:
+    libc.free(block)
+print(return_free_heap(), return_free_heap())
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc_trim and /proc/self/status are Linux's")
+def test_the_free_heap_is_handed_back_to_the_kernel_and_the_fall_of_the_resident_set_is_reported():
+    """160 MiB written and freed on glibc's heap stay resident until the
+    allocator is asked; once returned, a second call finds nothing left."""
+    out = subprocess.run([sys.executable, "-c", _HEAP_SLACK], capture_output=True, text=True, check=True).stdout
+    first, second = (int(figure) for figure in out.split())
+    assert first >= 150 * 2**20
+    assert second < 2**20
 
 
 @pytest.mark.parametrize("version", ["v1", "v2"])

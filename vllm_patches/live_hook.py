@@ -46,7 +46,7 @@ from kv_budget.log import logger
 from kv_budget.plan.planner import Decision, Plan, WorkerBudget
 from kv_budget.runtime_files import UnsafeRuntimeDirError
 from kv_budget.sample.caches import HeldBytes, UnsupportedCacheError
-from kv_budget.sample.device import MemorySamplingError, ProcessPeak, sample_memory
+from kv_budget.sample.device import MemorySamplingError, ProcessPeak, return_free_heap, sample_memory
 from kv_budget.sample.in_step import InStepTracker
 from kv_budget.settings import COST_RECORD_OFF, LEDGER_OFF, Policy
 from kv_budget.stage import Stage
@@ -146,7 +146,8 @@ def measure_on_worker(worker: Any, owners_by_rank: dict[int, list[str]],
     window was open, the step's peaks (caches the window counted are not
     counted twice), and with ``watch_device`` the device's free memory
     as the startup sampler reads it (``free``; None when it cannot be
-    read: the watch skips that sample). A :class:`LiveMeasurement`'s JSON;
+    read: the watch skips that sample), on CPU once the allocator has
+    handed its free heap pages back (:func:`return_free_heap`). A :class:`LiveMeasurement`'s JSON;
     a cache the audit cannot count is reported in ``error`` (sampling stops
     on that rank rather than publish a partial figure), a window that could
     not count one in ``step_error``."""
@@ -171,9 +172,14 @@ def measure_on_worker(worker: Any, owners_by_rank: dict[int, list[str]],
             result.step = window.with_untouched(untouched)
         if watch_device:
             device = worker.device
+            # On CPU the allocator's free heap pages are handed back first: they are used memory the kernel
+            # cannot reclaim, and a later step's larger tensors would be mapped on top of them.
+            returned = return_free_heap() if device.type == "cpu" else None
             with contextlib.suppress(MemorySamplingError):
                 sampled = sample_memory(device.type, device.index or 0)
-                result.free = DeviceFree(free_bytes=sampled.free_bytes, source=sampled.source,
+                source = sampled.source if not returned else (
+                    f"{sampled.source}, after malloc_trim returned {returned:,} B of the worker's free heap")
+                result.free = DeviceFree(free_bytes=sampled.free_bytes, source=source,
                                          peak_excess_bytes=_process_peak(worker).read())
     except UnsupportedCacheError as exc:
         result.error = str(exc)

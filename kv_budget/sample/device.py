@@ -14,6 +14,7 @@ log line can be checked by hand with ``nvidia-smi`` or ``cat memory.max``.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import socket
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ __all__ = [
     "nvml_index_for_torch_device",
     "sample_memory",
     "ProcessPeak",
+    "return_free_heap",
 ]
 
 
@@ -383,10 +385,47 @@ class ProcessPeak:
             return max(int(excess), 0)
         if self.device_type != "cpu":
             return None
-        try:
-            fields = dict(line.split(":", 1) for line in self._status.read_text().splitlines() if ":" in line)
-            excess = (int(fields["VmHWM"].split()[0]) - int(fields["VmRSS"].split()[0])) * 1024
-            self._clear_refs.write_text("5")  # the kernel's reset of the high-water mark to the present
-        except (OSError, KeyError, ValueError, IndexError):
+        figures = _status_bytes(self._status, "VmHWM", "VmRSS")
+        if figures is None:
             return None
-        return max(excess, 0)
+        try:
+            self._clear_refs.write_text("5")  # the kernel's reset of the high-water mark to the present
+        except OSError:
+            return None
+        high, resident = figures
+        return max(high - resident, 0)
+
+
+def _status_bytes(status: Path, *names: str) -> tuple[int, ...] | None:
+    """The named figures of ``/proc/<pid>/status`` (kB there), in bytes;
+    None where the file or a figure cannot be read."""
+    try:
+        fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
+        return tuple(int(fields[name].split()[0]) * 1024 for name in names)
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+
+
+def return_free_heap(status: Path = Path("/proc/self/status")) -> int | None:
+    """Hand the pages glibc's allocator holds free back to the kernel
+    (``malloc_trim(0)``) and return how far this process's resident set
+    fell, in bytes. Why: on vLLM's CPU build without tcmalloc, a tensor under
+    glibc's mmap threshold (which rises to 32 MiB as the process frees
+    larger ones) comes from the heap, and its pages stay resident after it
+    is freed; a later step of larger tensors maps fresh pages on top of
+    them. The kernel cannot reclaim those pages, so under a memory limit
+    they count as used until the allocator returns them (torch here: eight
+    20 MiB tensors freed after eight of 30 MiB left 168 MB resident, under
+    which eight of 122 MiB were then mapped).
+    None where the C library has no ``malloc_trim`` (musl, macOS) or the
+    resident set cannot be read."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    before = _status_bytes(status, "VmRSS")
+    trim(0)
+    after = _status_bytes(status, "VmRSS")
+    if before is None or after is None:
+        return None
+    return max(before[0] - after[0], 0)
