@@ -21,7 +21,7 @@ from kv_budget.watch.cost_record import CostRecord, HeldCost
 from kv_budget.settings import Policy
 from kv_budget.watch.live import (
     BEYOND_RECORD_FACTOR,
-    WAVE_SPREAD,
+    BURST_SPREAD,
     DEAD_AFTER_COMPLETED,
     DeviceFree,
     LiveMeasurement,
@@ -351,7 +351,9 @@ def test_a_start_under_the_default_margin_takes_a_first_burst_then_rises_keeping
     assert monitor.first.cost_by_rank == {0: guess}
     assert (f"(free {free:,} B - live margin {live_margin:,} B - fixed and other engines' 0 B) at "
             f"{guess:,} B per sequence [{ROW_BYTES:,} B declared + (margin {1024**3:,} B - live margin "
-            f"{live_margin:,} B) / max_num_seqs 256] = 57") in monitor.first.how
+            f"{live_margin:,} B) / max_num_seqs 256], in {free - live_margin:,} B [the live margin or 25% of the "
+            f"burst's growth kept free, whichever is more") in monitor.first.how
+    assert monitor.first.how.endswith(" = 57")
     held(stage, burst)
     update = monitor.observe(device_sample(stage, scanner, free - burst * ROW_BYTES), running=burst,
                              finished_unfreed=0, completed=0, now=0.0)
@@ -405,8 +407,8 @@ def test_the_default_margin_is_kept_only_in_part_while_serving_and_the_limit_may
     assert margin == 128 * 1024**2
     assert plan.effective_max_num_seqs == 100
     monitor, scanner = LiveMonitor(plan), HeldBytes(stage, ["talker"])
-    burst = (free - margin) // (ROW_BYTES + (1024**3 - margin) // 256)
-    assert monitor.limit == burst == 255  # past the default margin's own cap of 100
+    burst = min(free - margin, int(free / (1 + BURST_SPREAD))) // (ROW_BYTES + (1024**3 - margin) // 256)
+    assert monitor.limit == burst == 233  # past the default margin's own cap of 100, a quarter of its growth free
     held(stage, burst)
     update = monitor.observe(device_sample(stage, scanner, free - burst * ROW_BYTES), running=burst,
                              finished_unfreed=0, completed=0, now=0.0)
@@ -417,7 +419,7 @@ def test_the_default_margin_is_kept_only_in_part_while_serving_and_the_limit_may
     plan = make_plan([budget_worker(collect_model_local_kv_specs(stage), small, max_num_seqs=256)], 256, "cap")
     first = first_admission(plan, 256)
     share = (1024**3 - 64 * 1024**2) // 256
-    assert plan.effective_max_num_seqs == 256 and first.limit == (free - 64 * 1024**2) // (ROW_BYTES + share) == 255
+    assert plan.effective_max_num_seqs == 256 and first.limit == int(free / (1 + BURST_SPREAD)) // (ROW_BYTES + share)
 
 
 def test_warn_reports_what_the_device_holds_and_changes_nothing():
@@ -579,65 +581,71 @@ def test_an_earlier_serve_of_this_engine_sets_the_first_bursts_cost():
     """The first burst is admitted at the cost an earlier serve measured
     (an average at the most it held), each sequence past those at twice it
     (a serve's growth rose faster than its sequences) or the guess where
-    that is less, keeping the live margin free (here more than a tenth of
-    the burst's growth); where the room holds fewer than were measured,
+    that is less, keeping the live margin free (here more than a quarter
+    of the burst's growth); where the room holds fewer than were measured,
     those given up are charged their declared bytes only; a record of
     fewer sequences than the guess admits is never taken above the
     guess."""
     stage = Stage(RequestTalker())
-    free, live_margin = 400 * 1024**2, 64 * 1024**2
+    free, live_margin = 300 * 1024**2, 64 * 1024**2
     plan = default_margin_plan(stage, free)
     guess = ROW_BYTES + (1024**3 - live_margin) // 256
     room = free - live_margin
-    assert first_admission(plan, 256).limit == room // guess == 89
-    assert int(free / (1 + WAVE_SPREAD)) > room  # a tenth of what fits is less than the live margin
+    assert first_admission(plan, 256).limit == room // guess == 62
+    assert int(free / (1 + BURST_SPREAD)) > room  # a quarter of what fits is less than the live margin
     measured = 2 * 1024**2
     past = min(BEYOND_RECORD_FACTOR * measured, guess)
     assert past == guess  # twice the record is more than the guess: the guess
     first = first_admission(plan, 256, _record(100, measured))
-    assert first.limit == 100 + (room - 100 * measured) // past == 136
-    assert first.cost_by_rank == {0: -(-(100 * measured + 36 * past) // 136)}
+    assert first.limit == 100 + (room - 100 * measured) // past == 109
+    assert first.cost_by_rank == {0: -(-(100 * measured + 9 * past) // 109)}
     assert (f"at {measured:,} B per sequence [measured by an earlier serve of this engine with 100 held], in "
-            f"{room:,} B [the live margin or 10% of the burst's growth kept free, whichever is more: min({room:,} B, "
-            f"({room:,} B + {live_margin:,} B) / 1.1)] for 100, and {past:,} B for each past them: "
-            f"100 + floor(({room:,} B - {100 * measured:,} B) / {past:,} B) = 136") in first.how
+            f"{room:,} B [the live margin or 25% of the burst's growth kept free, whichever is more: min({room:,} B, "
+            f"({room:,} B + {live_margin:,} B) / 1.25)] for 100, and {past:,} B for each past them: "
+            f"100 + floor(({room:,} B - {100 * measured:,} B) / {past:,} B) = 109") in first.how
     cheaper = first_admission(plan, 256, _record(100, measured // 2))
-    assert cheaper.limit == 100 + (room - 100 * measured // 2) // measured == 218  # twice 1 MiB, under the guess
-    assert LiveMonitor(plan, remembered=_record(80, measured)).limit == 80 + (room - 80 * measured) // past == 126
+    assert cheaper.limit == 100 + (room - 100 * measured // 2) // measured == 168  # twice 1 MiB, under the guess
+    assert LiveMonitor(plan, remembered=_record(80, measured)).limit == 80 + (room - 80 * measured) // past == 100
     short = first_admission(plan, 256, _record(200, measured))
     deficit = 200 * measured - room
     assert short.limit == max(200 - -(-deficit // ROW_BYTES), 1) == 1  # a 5,120 B sequence frees little
     assert f"so 200 - ceil({deficit:,} B short / {ROW_BYTES:,} B declared" in short.how
     light = first_admission(plan, 256, _record(10, 8 * 1024**2))  # ten held, the fixed growth over few
-    assert light.limit == 89 and light.cost_by_rank == {0: guess}  # the guess
+    assert light.limit == 62 and light.cost_by_rank == {0: guess}  # the guess
     assert "the guess: 8,388,608 B measured with 10 held, fewer than the guess admits, is more" in light.how
-    assert first_admission(plan, 256, _record(10, measured)).limit == 10 + (room - 10 * measured) // guess == 94
+    assert first_admission(plan, 256, _record(10, measured)).limit == 10 + (room - 10 * measured) // guess == 67
     below = remembered_burst(room, guess, ROW_BYTES, HeldCost(most_held=100, cost_per_seq_bytes=1), live_margin)
     assert below[2].startswith(f"{ROW_BYTES:,} B per sequence [measured")  # a record under the declared bytes
     assert below[0] == 100 + (room - 100 * ROW_BYTES) // (2 * ROW_BYTES)  # is raised to them
 
 
-def test_a_large_burst_a_record_prices_keeps_a_tenth_of_its_growth_free():
-    """Where a tenth of the burst's growth is more than the live margin,
-    that tenth is what stays free: the growth is at most what is free /
-    1.1 (8 MiB sequences under 2 GiB, as the demo's)."""
+def test_a_large_burst_keeps_a_quarter_of_its_growth_free():
+    """Where a quarter of the burst's growth is more than the live margin,
+    that quarter is what stays free, whether a record or the guess prices
+    the burst: the growth is at most what is free / 1.25 (8 MiB sequences
+    under 2 GiB, as the demo's)."""
     free, live_margin = 2 * 1024**3, 128 * 1024**2
     declared, guess, measured = 8 * 1024**2, 12 * 1024**2, 10 * 1024**2
     room = free - live_margin
-    spread = int(free / (1 + WAVE_SPREAD))
+    spread = int(free / (1 + BURST_SPREAD))
     assert spread < room
     fits, cost, how = remembered_burst(room, guess, declared, HeldCost(most_held=150, cost_per_seq_bytes=measured),
                                        live_margin)
-    assert fits == 150 + (spread - 150 * measured) // guess == 180  # twice 10 MiB is more than the guess
-    growth = 150 * measured + 30 * guess
-    assert cost == -(-growth // 180)
-    assert free - growth >= growth * WAVE_SPREAD > live_margin  # a tenth of the growth stays free
+    assert fits == 150 + (spread - 150 * measured) // guess == 161  # twice 10 MiB is more than the guess
+    growth = 150 * measured + 11 * guess
+    assert cost == -(-growth // 161)
+    assert free - growth >= growth * BURST_SPREAD > live_margin  # a quarter of the growth stays free
     assert fits < 150 + (room - 150 * measured) // guess  # where the live margin alone would admit more
-    assert f"in {spread:,} B [the live margin or 10% of the burst's growth kept free" in how
+    assert f"in {spread:,} B [the live margin or 25% of the burst's growth kept free" in how
     fewer, _, how = remembered_burst(room, guess, declared, HeldCost(most_held=190, cost_per_seq_bytes=measured),
-                                     live_margin)  # the record held more than fits with a tenth free
-    assert fewer == 190 - -(-(190 * measured - spread) // declared) == 185
+                                     live_margin)  # the record held more than fits with a quarter free
+    assert fewer == 190 - -(-(190 * measured - spread) // declared) == 157
     assert f"fewer than 190 fit in {spread:,} B" in how
+    unrecorded, charged, how = remembered_burst(room, guess, declared, None, live_margin)
+    assert (unrecorded, charged) == (spread // guess, guess) and unrecorded == 136  # the guess keeps it too
+    assert free - unrecorded * guess >= unrecorded * guess * BURST_SPREAD
+    assert how == (f"in {spread:,} B [the live margin or 25% of the burst's growth kept free, whichever is more: "
+                   f"min({room:,} B, ({room:,} B + {live_margin:,} B) / 1.25)]")
 
 
 def test_the_cost_worth_recording_is_the_one_at_the_most_held_or_a_lower_one():

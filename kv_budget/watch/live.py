@@ -72,7 +72,7 @@ __all__ = [
     "DEAD_AFTER_COMPLETED",
     "MAX_SAMPLING_FRACTION",
     "BEYOND_RECORD_FACTOR",
-    "WAVE_SPREAD",
+    "BURST_SPREAD",
     "first_admission",
     "FirstAdmission",
     "remembered_burst",
@@ -112,18 +112,21 @@ twice the average; the live margin covers what a wider step adds. Never
 more than the guess a start without a record charges each
 (:func:`burst_cost_bytes`)."""
 
-WAVE_SPREAD = 0.1
-"""What a first burst a cost record prices keeps free beyond the growth it
-is priced at, as a fraction of that growth, where that is more than the
-live margin. Why a fraction: the same load on the same engine grew by up
-to a tenth more in one serve than in another (vLLM's CPU build, the demo
-under a memory cgroup: 307 and 341 MB with 128 sequences of 1 MiB held;
-2,106 and 2,209 MB with 200 of 8 MiB; a serve admitting 209 at once on a
-record of 207 was OOM-killed), so a fixed amount is too little for a
-large wave and more than a small one needs. Why only there: a record
-prices a wave at what one serve measured, a wave the next serve admits
-whole; the guess carries the margin's growth part, and a rise keeps twice
-the live margin at a cost at least the first burst's."""
+BURST_SPREAD = 0.25
+"""What a first burst keeps free beyond the growth it is priced at, as a
+fraction of that growth, where that is more than the live margin. Why a
+fraction: what one held sequence costs varies from serve to serve of the
+same engine with how the burst arrives, not only with how many are held
+(vLLM's CPU build, the 8 MiB demo under a memory cgroup: 10.5-11.2 MB per
+held sequence where the burst came in one step; 11.7-12.3 MB in a fresh
+engine's first load whose first step held 16 and the next the rest; a
+first burst of 122 at 12.1 MB each, and one of 138 on a record of 10.97
+MB, each OOM-killed in the step after a first step of 30 and of 16), so a fixed amount is too little for a
+large burst and more than a small one needs. Why a quarter: the costliest
+burst seen cost 1.25 times the least measured per held sequence (at
+least 13.1 MB against 10.5). Why for the guess too: its growth part is an
+average of the margin, not a bound (:func:`burst_cost_bytes`)."""
+
 
 DEAD_AFTER_COMPLETED = 16
 """Completed requests after which a retained per-sequence declaration that
@@ -178,8 +181,8 @@ def first_admission(plan: Plan, ceiling: int, remembered: CostRecord | None = No
     first burst the device holds, N where live margin + uncharged fixed + N
     x the cost of one sequence <= free. The live margin is what the first
     sample's bound keeps, so that sample does not lower the limit for want
-    of it; a burst priced by a record keeps a tenth of its growth where
-    that is more (:func:`remembered_burst`). Why a burst near what the device holds,
+    of it; a burst keeps a quarter of its growth free where that is more
+    (:func:`remembered_burst`). Why a burst near what the device holds,
     not the flat margin's cap: a start low that rises admits waves of new
     sizes, and each leaves
     the worker's allocator holding more per sequence than one wave of the
@@ -201,7 +204,7 @@ def first_admission(plan: Plan, ceiling: int, remembered: CostRecord | None = No
         costs[worker.rank] = cost
         if fits < start.limit:
             if held is None:
-                basis = f"{cost:,} B per sequence [{_burst_cost_text(headroom, worker.per_seq_bytes, plan)}]"
+                basis = f"{cost:,} B per sequence [{_burst_cost_text(headroom, worker.per_seq_bytes, plan)}], {basis}"
             start = FirstAdmission(limit=max(fits, 1), how=(
                 f"rank {worker.rank}: (free {headroom.sampled_free_bytes:,} B - live margin {live:,} B "
                 f"- fixed and other engines' {fixed:,} B) at {basis} = {fits}"))
@@ -213,32 +216,33 @@ def remembered_burst(
 ) -> tuple[int, int, str]:
     """How many sequences fit ``room`` bytes (what is free less the live
     margin and the fixed bytes), at what cost each on average, and the
-    arithmetic: at ``guess`` (:func:`burst_cost_bytes`) where this engine
-    has no record, else at the cost an earlier serve measured with
+    arithmetic. What stays free is the ``live_margin`` or
+    :data:`BURST_SPREAD` of the burst's growth, whichever is more: the
+    growth is at most (room + live margin) / (1 + BURST_SPREAD). Each
+    sequence is charged ``guess`` (:func:`burst_cost_bytes`) where this
+    engine has no record, else the cost an earlier serve measured with
     ``held.most_held`` sequences held, each sequence past those charged
     :data:`BEYOND_RECORD_FACTOR` times it (a serve's growth rose faster
     than its sequences) or the guess where that is less (a record never
-    charges one more than a start without it). Where the record prices the
-    burst, what stays free is the ``live_margin`` or
-    :data:`WAVE_SPREAD` of the burst's growth, whichever is more: the
-    growth is at most (room + live margin) / (1 + WAVE_SPREAD). A record
-    measured at fewer sequences than the guess admits is taken at the
-    guess where that is less: a light load's average carries the fixed
-    growth over few sequences. Where the room holds fewer than were
-    measured, the sequences given up are charged only their ``declared``
-    bytes (what one sequence frees at least). A recorded cost is never
-    taken below ``declared``."""
+    charges one more than a start without it). A record measured at fewer
+    sequences than the guess admits is taken at the guess where that is
+    less: a light load's average carries the fixed growth over few
+    sequences. Where the room holds fewer than were measured, the
+    sequences given up are charged only their ``declared`` bytes (what one
+    sequence frees at least). A recorded cost is never taken below
+    ``declared``."""
+    spread = int((room + live_margin) / (1 + BURST_SPREAD))
+    kept = (f"in {min(room, spread):,} B [the live margin or {BURST_SPREAD:.0%} of the burst's growth kept free, "
+            f"whichever is more: min({room:,} B, ({room:,} B + {live_margin:,} B) / {1 + BURST_SPREAD:g})]")
+    room = min(room, spread)
     if held is None:
-        return room // guess, guess, ""
+        return room // guess, guess, kept
     recorded = max(held.cost_per_seq_bytes, declared)  # no sequence costs less than its declared bytes
     if held.most_held < room // guess and guess <= recorded:
         return room // guess, guess, (f"{guess:,} B per sequence [the guess: {recorded:,} B measured with "
-                                      f"{held.most_held} held, fewer than the guess admits, is more]")
-    spread = int((room + live_margin) / (1 + WAVE_SPREAD))
+                                      f"{held.most_held} held, fewer than the guess admits, is more], {kept}")
     basis = (f"{recorded:,} B per sequence [measured by an earlier serve of this engine with {held.most_held} held]"
-             f", in {min(room, spread):,} B [the live margin or {WAVE_SPREAD:.0%} of the burst's growth kept free, "
-             f"whichever is more: min({room:,} B, ({room:,} B + {live_margin:,} B) / {1 + WAVE_SPREAD:g})]")
-    room = min(room, spread)
+             f", {kept}")
     measured = held.most_held * recorded
     if measured > room:
         short = measured - room
