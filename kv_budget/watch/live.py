@@ -116,16 +116,16 @@ BURST_SPREAD = 0.25
 """What a first burst keeps free beyond the growth it is priced at, as a
 fraction of that growth, where that is more than the live margin. Why a
 fraction: what one held sequence costs varies from serve to serve of the
-same engine with how the burst arrives, not only with how many are held
-(vLLM's CPU build, the 8 MiB demo under a memory cgroup: 10.5-11.2 MB per
-held sequence where the burst came in one step; 11.7-12.3 MB in a fresh
-engine's first load whose first step held 16 and the next the rest; a
-first burst of 122 at 12.1 MB each, and one of 138 on a record of 10.97
-MB, each OOM-killed in the step after a first step of 30 and of 16), so a fixed amount is too little for a
-large burst and more than a small one needs. Why a quarter: the costliest
-burst seen cost 1.25 times the least measured per held sequence (at
-least 13.1 MB against 10.5). Why for the guess too: its growth part is an
-average of the margin, not a bound (:func:`burst_cost_bytes`)."""
+same engine, above all in a fresh engine's first load (vLLM's CPU build,
+the 8 MiB demo at 138 held: 10.8-12.4 MB per held sequence in the first
+load of four fresh servers, 10.6-11.0 in their second,
+``benchmarks/bench_first_load.py``), and two first bursts were
+OOM-killed: 122 at 12.1 MB each, which cost at least 13.1, and 138 on a
+record of 10.97 MB with a tenth kept; so a fixed amount is too little for
+a large burst and more than a small one needs. Why a quarter: the
+costliest burst seen cost 1.25 times the least measured per held
+sequence (13.1 MB against 10.5). Why for the guess too: its growth part
+is an average of the margin, not a bound (:func:`burst_cost_bytes`)."""
 
 
 DEAD_AFTER_COMPLETED = 16
