@@ -19,8 +19,8 @@ the cost is the first load's alone.
 
 With ``--room``, the limit binds instead: it is set that far above the
 server's working set after startup (as ``bench_memory_limit.py`` sets it),
-and each fresh server gets one load of each kind, killed or not: whether an
-operator's figure that survived whole loads survives a split one.
+and each fresh server gets one load, killed or not: whether an operator's
+figure survives a first load of either kind.
 
     .venv/bin/python benchmarks/bench_first_load.py                 # JSON into benchmarks/results/
     .venv/bin/python benchmarks/bench_first_load.py --room 1.6GB --max-num-seqs 137 --results /tmp/edge.json
