@@ -77,6 +77,7 @@ __all__ = [
     "FirstAdmission",
     "remembered_burst",
     "burst_cost_bytes",
+    "rise_cost_bytes",
     "device_following",
     "DeviceFree",
     "OwnerBytes",
@@ -272,6 +273,31 @@ def burst_cost_bytes(headroom: Headroom, per_seq_bytes: int, configured_max_num_
     return headroom.sharers * per_seq_bytes + -(-_growth_margin_bytes(headroom) // configured_max_num_seqs)
 
 
+def rise_cost_bytes(measured: int, burst: int, burst_held: bool) -> tuple[int, str]:
+    """What each sequence a rise adds is charged, and the arithmetic.
+    Once the first burst is held whole: the ``measured`` cost (read at the
+    worst step seen) with :data:`BURST_SPREAD` of it on top, or the burst's
+    cost where that is less; never under the measured cost. Why the
+    measured cost: with the worker's free heap returned at each sample, a
+    rise of 16 to 32 sequences cost 0.90-0.97 times the average held before
+    it (vLLM's CPU build, the 1 MiB and 8 MiB demo,
+    ``benchmarks/bench_memory_limit.py``), and the wave's prefill is no
+    larger than the burst's, which the worst step seen holds. Why the spread:
+    the cost of a held sequence varies by as much between serves. Why never
+    more than the burst's cost: that is the guess or the record a start
+    was admitted at, which the measured cost, where lower, has shown
+    blunt. Until the burst is held whole the burst's cost stands
+    (:meth:`LiveMonitor._device_bound`). What a rise of a few adds beyond
+    that (6 added after 59 took 78 MB) is inside the second live margin a
+    rise keeps (:meth:`LiveMonitor._ramp`)."""
+    if not burst_held or not burst:
+        charged = max(measured, burst)
+        return charged, f"{charged:,} B per sequence added [the measured cost or the burst's, whichever is more]"
+    charged = max(measured, min(burst, math.ceil(measured * (1 + BURST_SPREAD))))
+    return charged, (f"{charged:,} B per sequence added [min(the burst's {burst:,} B, {1 + BURST_SPREAD:g} x "
+                     f"{measured:,} B measured), never under the measured]")
+
+
 def _growth_margin_bytes(headroom: Headroom) -> int:
     """The part of the margin read per sequence (:func:`burst_cost_bytes`)."""
     return max(max(headroom.margin_bytes, headroom.default_margin_bytes) - live_margin_bytes(headroom), 0)
@@ -462,15 +488,12 @@ class _DeviceBound(BaseModel):
     rise: int
     """What a rise may go to (:meth:`LiveMonitor._ramp`): what the device
     holds at the worst step seen (:attr:`worst_excess`) with twice the
-    live margin kept and each sequence added charged :attr:`rise_cost`, or
+    live margin kept and each sequence added charged :func:`rise_cost_bytes`, or
     the startup cap where that is more (it kept the whole margin); never
     past the bound, nor past what the device holds at that step."""
-    rise_cost: int | None = None
-    """What one sequence of a rise is charged: the measured cost, or the
-    first burst's cost where that is more. Why: a rise admits a new wave,
-    and on vLLM's CPU build a wave cost 1.6-1.8 times the average of the
-    sequences held before it (the allocator's arenas grow for each new
-    size), which the average cannot show until the wave is held."""
+    rise_how: str = ""
+    """What one sequence of a rise is charged, with its arithmetic
+    (:func:`rise_cost_bytes`), for the log."""
     cost: int | None
     how: str
     """The arithmetic, for the log."""
@@ -618,13 +641,12 @@ class LiveMonitor:
         while as many are held as the limit allows (more fit and requests
         wait to be admitted), straight to what the device holds with twice
         the live margin kept, or back to the startup cap (``rise``): one
-        wave, and a margin for what it costs beyond the measured cost. Why: each wave of a new size leaves
-        the worker's allocator holding more per sequence than the sequences
-        measured so far (vLLM's CPU build: admitting in waves of 15, 30, 60
-        held about 60 % more per sequence than one wave; a rise by 10 past a
-        first wave of 137 took 36 MB more than their measured cost), and a
-        rise to the lowering bound itself left the limit see-sawing with
-        the device at its limit."""
+        wave, and a margin for what it costs beyond the measured cost. Why:
+        each wave prefills again, and a wave of a few cost far more per
+        sequence than the average held (vLLM's CPU build, the heap returned
+        at each sample: 6 added after 59 took 78 MB, 13 MB each against
+        4.3); a rise to the lowering bound itself left the limit see-sawing
+        with the device at its limit."""
         if lower < self.limit:
             return lower
         if self.held < self.limit or rise <= self.limit:
@@ -690,7 +712,8 @@ class LiveMonitor:
             basis = (f"the most of {grown:,} B used since startup / {self.held} held, {at_most:,} B at the most held "
                      f"({most_held}) and {planned:,} B declared")
         at_peak = f"{lowest:,} B free at the steps' peak ({free.free_bytes:,} B between steps - {excess:,} B above)"
-        rise_cost = max(cost, self.first.cost_by_rank.get(rank, 0)) if self.first is not None else cost
+        charged = self.first.cost_by_rank.get(rank, 0) if self.first is not None else 0
+        rise_cost, rise_how = rise_cost_bytes(cost, charged, first_burst is None)
         if cost:
             bound = self.held + (lowest - margin) // cost
             rise = self.held + (lowest_seen - 2 * margin) // rise_cost
@@ -712,7 +735,7 @@ class LiveMonitor:
         # The startup cap kept the whole margin: a rise may always go back to it, never past what the device
         # holds at the worst step seen.
         rise = min(max(rise, self.plan.effective_max_num_seqs), bound, rise_bound)
-        return _DeviceBound(rank=rank, bound=max(bound, 1), rise=max(rise, 1), rise_cost=rise_cost or None,
+        return _DeviceBound(rank=rank, bound=max(bound, 1), rise=max(rise, 1), rise_how=rise_how,
                             cost=cost or None, how=how, source=free.source, worst_excess=worst)
 
     def _memory_finding(self, new: list[Finding], device: _DeviceBound, limit: int) -> None:
@@ -723,8 +746,8 @@ class LiveMonitor:
             kind, action = "memory-low", f"live limit {self.limit} -> {limit}; running requests finish, new ones wait"
         elif acting and limit > self.limit:
             kind, action = "memory-room", (f"a rise keeps twice the live margin at the worst step seen "
-                                           f"({device.worst_excess:,} B above between steps), {device.rise_cost:,} B "
-                                           f"per sequence added: {device.rise}; live limit {self.limit} -> {limit}")
+                                           f"({device.worst_excess:,} B above between steps), {device.rise_how}: "
+                                           f"{device.rise}; live limit {self.limit} -> {limit}")
         elif not acting and device.bound < self.limit:
             kind, action = "memory-low", f"what fits is {device.bound}; policy warn: nothing is changed"
         else:
