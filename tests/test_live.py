@@ -336,9 +336,9 @@ def test_a_start_under_the_default_margin_takes_a_first_burst_then_rises_keeping
     engine adds under load, read per sequence); once that burst is held
     whole, the limit rises to what the device holds with twice the live
     margin kept (an eighth of what was free, at least 64 MiB), each
-    sequence added charged the measured cost and a quarter, where that is
-    less than the burst's cost (the guess was blunt), up to the configured
-    max_num_seqs."""
+    sequence added charged the burst's cost where that is more than the
+    measured one (a new wave costs more than the average held), up to the
+    configured max_num_seqs."""
     stage = Stage(RequestTalker())
     live_margin, share = 64 * 1024**2, (1024**3 - 64 * 1024**2) // 256
     guess = ROW_BYTES + share
@@ -361,26 +361,21 @@ def test_a_start_under_the_default_margin_takes_a_first_burst_then_rises_keeping
                              finished_unfreed=0, completed=0, now=0.0)
     assert monitor.cost_per_seq == measured and monitor.memory_limit == 57 + (free - 57 * measured - live_margin) \
         // measured == 112
-    charged = measured * 5 // 4
-    assert update.limit == burst + (free - burst * measured - 2 * live_margin) // charged == 74
-    assert (f"a rise keeps twice the live margin at the worst step seen (0 B above between steps), {charged:,} B "
-            f"per sequence added [min(the burst's {guess:,} B, 1.25 x {measured:,} B measured), never under the "
-            f"measured]: 74; live limit 57 -> 74") in update.findings[0].message
+    assert update.limit == burst + (free - burst * measured - 2 * live_margin) // guess == 68
+    assert (f"a rise keeps twice the live margin at the worst step seen (0 B above between steps), {guess:,} B "
+            f"per sequence added [the burst's {guess:,} B or {measured:,} B measured, whichever is more]: 68; "
+            f"live limit 57 -> 68") in update.findings[0].message
 
 
-def test_a_rise_charges_each_sequence_added_the_measured_cost_and_a_quarter_or_the_burst_cost_where_less():
-    """The rule alone: once the burst is held whole, the measured cost and a
-    quarter, never more than the burst's cost (the guess or record it was
-    admitted at) and never under the measured cost; before, the burst's
-    cost or the measured one, whichever is more."""
-    assert rise_cost_bytes(2_000_000, 5_000_000, burst_held=True)[0] == 2_500_000  # the guess was blunt
-    assert rise_cost_bytes(10_900_000, 12_400_000, burst_held=True)[0] == 12_400_000  # within a quarter: the burst's
-    assert rise_cost_bytes(13_000_000, 12_400_000, burst_held=True)[0] == 13_000_000  # never under the measured
-    assert rise_cost_bytes(2_000_001, 5_000_000, burst_held=True)[0] == 2_500_002  # rounded up
-    assert rise_cost_bytes(2_000_000, 5_000_000, burst_held=False)[0] == 5_000_000
-    assert rise_cost_bytes(2_000_000, 0, burst_held=True)[0] == 2_000_000  # no burst was charged on this rank
-    cost, how = rise_cost_bytes(2_000_000, 5_000_000, burst_held=False)
-    assert how == f"{cost:,} B per sequence added [the measured cost or the burst's, whichever is more]"
+def test_a_rise_charges_each_sequence_added_the_burst_cost_or_the_measured_one_whichever_is_more():
+    """The rule alone: a wave of a new size costs more than the average held
+    before it, which the burst's cost (the margin's share, or a record's
+    charge past what it held) covers; a measured cost above it is taken."""
+    cost, how = rise_cost_bytes(2_000_000, 5_000_000)
+    assert cost == 5_000_000
+    assert how == "5,000,000 B per sequence added [the burst's 5,000,000 B or 2,000,000 B measured, whichever is more]"
+    assert rise_cost_bytes(13_000_000, 12_400_000)[0] == 13_000_000
+    assert rise_cost_bytes(2_000_000, 0)[0] == 2_000_000  # no burst was charged on this rank
 
 
 def test_before_the_first_burst_is_held_whole_its_cost_is_the_most_a_sequence_is_charged():

@@ -273,29 +273,25 @@ def burst_cost_bytes(headroom: Headroom, per_seq_bytes: int, configured_max_num_
     return headroom.sharers * per_seq_bytes + -(-_growth_margin_bytes(headroom) // configured_max_num_seqs)
 
 
-def rise_cost_bytes(measured: int, burst: int, burst_held: bool) -> tuple[int, str]:
-    """What each sequence a rise adds is charged, and the arithmetic.
-    Once the first burst is held whole: the ``measured`` cost (read at the
-    worst step seen) with :data:`BURST_SPREAD` of it on top, or the burst's
-    cost where that is less; never under the measured cost. Why the
-    measured cost: with the worker's free heap returned at each sample, a
-    rise of 16 to 32 sequences cost 0.90-0.97 times the average held before
-    it (vLLM's CPU build, the 1 MiB and 8 MiB demo,
-    ``benchmarks/bench_memory_limit.py``), and the wave's prefill is no
-    larger than the burst's, which the worst step seen holds. Why the spread:
-    the cost of a held sequence varies by as much between serves. Why never
-    more than the burst's cost: that is the guess or the record a start
-    was admitted at, which the measured cost, where lower, has shown
-    blunt. Until the burst is held whole the burst's cost stands
-    (:meth:`LiveMonitor._device_bound`). What a rise of a few adds beyond
-    that (6 added after 59 took 78 MB) is inside the second live margin a
-    rise keeps (:meth:`LiveMonitor._ramp`)."""
-    if not burst_held or not burst:
-        charged = max(measured, burst)
-        return charged, f"{charged:,} B per sequence added [the measured cost or the burst's, whichever is more]"
-    charged = max(measured, min(burst, math.ceil(measured * (1 + BURST_SPREAD))))
-    return charged, (f"{charged:,} B per sequence added [min(the burst's {burst:,} B, {1 + BURST_SPREAD:g} x "
-                     f"{measured:,} B measured), never under the measured]")
+def rise_cost_bytes(measured: int, burst: int) -> tuple[int, str]:
+    """What each sequence a rise adds is charged, and the arithmetic: the
+    ``measured`` cost (read at the worst step seen) or the first burst's
+    cost, whichever is more. Why not the measured cost alone: a rise admits
+    a wave of a new size, and what that costs is not what the sequences
+    held before it cost on average. On vLLM's CPU build, with the worker's
+    free heap returned at each sample, rises of 16 to 32 sequences of the
+    8 MiB demo cost 0.90-0.97 times the average, but rises of a few 1 MiB
+    sequences cost three times it and more (6 added after 59 took 78 MB;
+    with 9 added after 87 the cgroup's peak rose 151 MB above the worst
+    step seen before, to 16 MB under its limit;
+    ``benchmarks/bench_memory_limit.py``). The burst's cost
+    carries the margin's share per sequence (or the record's charge past
+    what it held), which covers that where the average does not; the
+    second live margin a rise keeps (:meth:`LiveMonitor._ramp`) covers the
+    rest."""
+    charged = max(measured, burst)
+    return charged, (f"{charged:,} B per sequence added [the burst's {burst:,} B or {measured:,} B measured, "
+                     f"whichever is more]")
 
 
 def _growth_margin_bytes(headroom: Headroom) -> int:
@@ -713,7 +709,7 @@ class LiveMonitor:
                      f"({most_held}) and {planned:,} B declared")
         at_peak = f"{lowest:,} B free at the steps' peak ({free.free_bytes:,} B between steps - {excess:,} B above)"
         charged = self.first.cost_by_rank.get(rank, 0) if self.first is not None else 0
-        rise_cost, rise_how = rise_cost_bytes(cost, charged, first_burst is None)
+        rise_cost, rise_how = rise_cost_bytes(cost, charged)
         if cost:
             bound = self.held + (lowest - margin) // cost
             rise = self.held + (lowest_seen - 2 * margin) // rise_cost
