@@ -279,16 +279,15 @@ def rise_cost_bytes(measured: int, burst: int) -> tuple[int, str]:
     cost, whichever is more. Why not the measured cost alone: a rise admits
     a wave of a new size, and what that costs is not what the sequences
     held before it cost on average. On vLLM's CPU build, with the worker's
-    free heap returned at each sample, rises of 16 to 32 sequences of the
-    8 MiB demo cost 0.90-0.97 times the average, but rises of a few 1 MiB
+    free heap returned at each sample, rises of 7 to 32 sequences of the
+    8 MiB demo cost 0.68-0.99 times the average, but rises of a few 1 MiB
     sequences cost three times it and more (6 added after 59 took 78 MB;
     with 9 added after 87 the cgroup's peak rose 151 MB above the worst
     step seen before, to 16 MB under its limit;
-    ``benchmarks/bench_memory_limit.py``). The burst's cost
-    carries the margin's share per sequence (or the record's charge past
-    what it held), which covers that where the average does not; the
-    second live margin a rise keeps (:meth:`LiveMonitor._ramp`) covers the
-    rest."""
+    ``benchmarks/bench_memory_limit.py``). The burst's cost carries the
+    margin's share per sequence (or the record's charge past what it
+    held), which covers that where the average does not; the second live
+    margin a rise keeps (:meth:`LiveMonitor._ramp`) covers the rest."""
     charged = max(measured, burst)
     return charged, (f"{charged:,} B per sequence added [the burst's {burst:,} B or {measured:,} B measured, "
                      f"whichever is more]")
