@@ -110,8 +110,9 @@ def run_config(work: Path, positions: int, room: int, requests: int, bisect_step
     # after the host idled set its limit 55 MB higher. One request served first warms the host.
     warm = run_under_limit("off", checkpoint, work / name / "warm-up", 1, None, room)
     warm_up = {key: warm.get(key) for key in ("started", "startup_working_set_bytes", "file_pages")}
-    print(f"  warm-up                working set after startup {warm_up['startup_working_set_bytes']}, page cache "
-          f"{warm_up['file_pages']}", flush=True)
+    working_set = warm.get("startup_working_set_bytes")
+    print(f"{_line('warm-up, 1 request', warm)}; working set after startup "
+          f"{format_bytes(working_set) if working_set else 'not read'}", flush=True)
     off = run_under_limit("off", checkpoint, work / name / "off", requests, None, room)
     print(_line("stock, 256", off), flush=True)
     result = {"talker_positions": positions, "per_sequence_bytes": per_seq, "room_bytes": room, "warm_up": warm_up,
