@@ -328,6 +328,37 @@ def test_a_rise_is_read_at_the_worst_step_seen_not_at_the_last_interval():
     assert "the worst step seen (0 B above between steps)" in returned.findings[0].message
 
 
+def test_a_wave_that_ended_between_samples_is_read_with_the_sequences_it_held_at_its_peak():
+    """The worker's peak since the previous sample came while the wave
+    ran; a sample taken after most of it finished holds few. Read against
+    those few, each looks three times as costly and the limit falls to
+    13; read against the most held after a step since the previous
+    sample (the engine hook's count), the device still holds 40."""
+    row = ROW_BYTES
+    stage = Stage(RequestTalker())
+    plan = measured_plan(stage, MARGIN + 40 * row)
+    limits = {}
+    for most_held in (30, 0):
+        stage = Stage(RequestTalker())
+        monitor, scanner = LiveMonitor(plan), HeldBytes(stage, ["talker"])
+        held(stage, 30)
+        wave = monitor.observe(device_sample(stage, scanner, MARGIN + 10 * row), running=30, finished_unfreed=0,
+                               completed=0, now=0.0)
+        assert monitor.limit == 40 and monitor.cost_per_seq == row, wave
+        stage.talker.caches.clear()
+        held(stage, 10)  # 20 finished and were freed; the interval's peak left 10 rows free, with 30 held
+        after = monitor.observe(device_sample(stage, scanner, MARGIN + 30 * row, peak_excess=20 * row), running=10,
+                                finished_unfreed=0, completed=20, now=1.0, most_held=most_held)
+        limits[most_held] = monitor.limit
+        if most_held:
+            assert after.findings == [] and monitor.memory_limit == 40 and monitor.cost_per_seq == row
+        else:
+            (low,) = after.findings
+            assert low.kind == "memory-low" and monitor.cost_per_seq == 3 * row
+            assert "held 10 + floor(" in low.message
+    assert limits == {30: 40, 0: 13}
+
+
 def test_a_start_under_the_default_margin_takes_a_first_burst_then_rises_keeping_twice_the_live_margin():
     """Less is free than the default margin: the plan's cap is one sequence
     (the live margin leaves room). Admission starts at the first burst the

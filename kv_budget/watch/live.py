@@ -553,7 +553,7 @@ class LiveMonitor:
         self._remembered = {rank: (held.most_held, held.cost_per_seq_bytes)  # last recorded or read
                             for rank, held in (remembered.ranks.items() if remembered is not None else ())}
         self.samples = self.samples_while_running = self.corrections = 0
-        self.running = self.held = self.waiting = self.completed = 0
+        self.running = self.held = self.held_at_peak = self.waiting = self.completed = 0  # observe()
         self.parked = 0
         """vLLM-Omni async-chunk stages: requests out of ``running`` between chunks, caches kept."""
         self.last_sample_seconds = self.sample_seconds_total = 0.0
@@ -593,17 +593,25 @@ class LiveMonitor:
 
     def observe(
         self, samples: list[WorkerSample], running: int, finished_unfreed: int, completed: int,
-        now: float, waiting: int = 0, parked: int = 0,
+        now: float, waiting: int = 0, parked: int = 0, most_held: int = 0,
     ) -> LiveUpdate:
         """Take one sample of every worker. ``running``,
         ``finished_unfreed``, ``waiting`` and ``parked`` (vLLM-Omni:
         requests out of ``running`` between async chunks, their caches
         kept) are the scheduler's counts at the sample; ``completed`` the
-        requests completed so far."""
+        requests completed so far; ``most_held`` the most held after any
+        step since the previous sample. That count, or the one at the
+        sample where it is more (:attr:`held_at_peak`), is what the
+        worker's peak since the previous sample is read against (the
+        device's cost per sequence, what it holds). Why: a wave that ended
+        in the interval peaked with all its sequences held; read against
+        the few left, a burst of 106 costing 14.3 MB each read as 28.8 MB
+        for each of 47 and lowered the limit to 51."""
         self._last_sample_at = now
         self.samples += 1
         self.running, self.parked, self.completed, self.waiting = running, parked, completed, waiting
         self.held = running + parked + finished_unfreed
+        self.held_at_peak = max(self.held, most_held)
         if running:
             self.samples_while_running += 1
         new: list[Finding] = []
@@ -682,13 +690,9 @@ class LiveMonitor:
         planned = headroom.sharers * self.rank_per_seq_bytes(rank)
         startup = headroom.sampled_free_bytes or free.free_bytes
         grown = max(startup - lowest, 0)
-        measured = -(-grown // self.held) if self.held else 0
-        grown_seen = max(startup - lowest_seen, 0)
-        measured_seen = -(-grown_seen // self.held) if self.held else 0
-        most_held, at_most = self._cost_at_most_held.get(rank, (0, 0))
-        if self.held and (self.held > most_held or (self.held == most_held and measured_seen > at_most)):
-            self._cost_at_most_held[rank] = (self.held, measured_seen)
-            most_held, at_most = self.held, measured_seen
+        held = self.held_at_peak
+        measured = -(-grown // held) if held else 0
+        most_held, at_most = self._note_cost_at_most_held(rank, max(startup - lowest_seen, 0))
         burst = burst_cost_bytes(headroom, self.rank_per_seq_bytes(rank), self.plan.configured_max_num_seqs)
         if self.first is not None:
             burst = self.first.cost_by_rank.get(rank, burst)
@@ -700,30 +704,30 @@ class LiveMonitor:
             # burst's cost, not raise it.
             cost = max(planned, min(max(measured, at_most), burst))
             basis = (f"the burst's {burst:,} B until {self.first.limit} are held, unless the most of {grown:,} B used "
-                     f"since startup / {self.held} held and {at_most:,} B at the most held ({most_held}) is less; "
+                     f"since startup / {held} held and {at_most:,} B at the most held ({most_held}) is less; "
                      f"never under {planned:,} B declared")
         else:
             cost = max(planned, measured, at_most)
-            basis = (f"the most of {grown:,} B used since startup / {self.held} held, {at_most:,} B at the most held "
+            basis = (f"the most of {grown:,} B used since startup / {held} held, {at_most:,} B at the most held "
                      f"({most_held}) and {planned:,} B declared")
         at_peak = f"{lowest:,} B free at the steps' peak ({free.free_bytes:,} B between steps - {excess:,} B above)"
         charged = self.first.cost_by_rank.get(rank, 0) if self.first is not None else 0
         rise_cost, rise_how = rise_cost_bytes(cost, charged)
+        held_text = str(held) if held == self.held else f"{held} (the most since the last sample, {self.held} now)"
         if cost:
-            bound = self.held + (lowest - margin) // cost
+            bound = held + (lowest - margin) // cost
             rise = self.held + (lowest_seen - 2 * margin) // rise_cost
             rise_bound = self.held + (lowest_seen - margin) // cost
-            how = (f"held {self.held} + floor(({at_peak} - live margin {margin:,} B) / {cost:,} B per sequence "
-                   f"[{basis}])")
+            how = f"held {held_text} + floor(({at_peak} - live margin {margin:,} B) / {cost:,} B per sequence [{basis}])"
             if first_burst is not None and bound < first_burst and grown <= first_burst * burst and lowest >= margin:
                 # Requests arriving take memory before they are held: the first admission budgeted the
                 # burst's whole growth, and until that is spent a sample has seen nothing it did not plan for.
-                how = (f"the first burst's {first_burst}, {self.held} of them held: {grown:,} B used since "
+                how = (f"the first burst's {first_burst}, {held} of them held: {grown:,} B used since "
                        f"startup is within the {first_burst * burst:,} B ({first_burst} x {burst:,} B) it "
                        f"was admitted at (else {how} = {bound})")
                 bound = first_burst
         else:
-            bound = self.held if lowest < margin else self.ceiling
+            bound = held if lowest < margin else self.ceiling
             rise = self.held if lowest_seen < 2 * margin else self.ceiling
             rise_bound = self.held if lowest_seen < margin else self.ceiling
             how = f"nothing held or declared per sequence; {at_peak}, live margin {margin:,} B"
@@ -732,6 +736,20 @@ class LiveMonitor:
         rise = min(max(rise, self.plan.effective_max_num_seqs), bound, rise_bound)
         return _DeviceBound(rank=rank, bound=max(bound, 1), rise=max(rise, 1), rise_how=rise_how,
                             cost=cost or None, how=how, source=free.source, worst_excess=worst)
+
+    def _note_cost_at_most_held(self, rank: int, grown_at_worst: int) -> tuple[int, int]:
+        """Keep (the most held at a sample, the highest cost per sequence
+        with that many held, at the worst step seen) for ``rank`` and
+        return it, with this sample's ``grown_at_worst`` (what the device
+        lost since startup at the worst step seen) over
+        :attr:`held_at_peak` taken in."""
+        held = self.held_at_peak
+        cost = -(-grown_at_worst // held) if held else 0
+        most_held, at_most = self._cost_at_most_held.get(rank, (0, 0))
+        if held and (held > most_held or (held == most_held and cost > at_most)):
+            self._cost_at_most_held[rank] = (held, cost)
+            return held, cost
+        return most_held, at_most
 
     def _memory_finding(self, new: list[Finding], device: _DeviceBound, limit: int) -> None:
         """One finding where the device moved the live limit (or, under
