@@ -26,7 +26,10 @@ completions:
    ``--operator-repeats`` runs of it do (a careful operator tries a figure
    more than once: the edge is noisy, and a figure that survived one run
    was killed in another of the same server), and the figures that survived
-   a run and then failed one are printed.
+   a run and then failed one are printed. With ``--operator-confirm N``
+   the operator's figure is loaded N more times after the bisection, and
+   how many of those stock survived is printed: how safe the answer by
+   hand is.
 
 It prints, per configuration, the limit, each run's peak usage, OOM kills
 and requests completed, where the memory went (each process's growth
@@ -96,10 +99,10 @@ def kv_budget_figure(run: dict) -> int | None:
 
 
 def run_config(work: Path, positions: int, room: int, requests: int, bisect_steps: int,
-               small_margin: str | None, serves: int, operator_repeats: int) -> dict:
+               small_margin: str | None, serves: int, operator_repeats: int, operator_confirm: int = 0) -> dict:
     """One configuration: stock, kv-budget (default settings, ``serves``
     times on one cost record, then an operator's small margin), then the
-    operator's bisection."""
+    operator's bisection, then ``operator_confirm`` more loads of its figure."""
     name = f"p{positions}-r{room}"
     checkpoint = write_demo_checkpoint(work / name / "checkpoint", {"positions": positions})
     per_seq = talker_bytes_per_row({**DEFAULT_TALKER, "positions": positions})
@@ -156,6 +159,17 @@ def run_config(work: Path, positions: int, room: int, requests: int, bisect_step
                 bad = trial
                 if repeat > 1:  # it survived before: a single run would have taken it
                     flaky.append(trial)
+    confirm = []
+    for repeat in range(1, operator_confirm + 1):
+        if not good:
+            break
+        again = run_under_limit("off", checkpoint, work / name / f"operator-{good}-again-{repeat}", requests, limit,
+                                room, max_num_seqs=good)
+        print(_line(f"operator, {good} again ({repeat})", again), flush=True)
+        confirm.append(again)
+    if confirm:
+        result.update(operator_again=confirm,
+                      operator_again_survived=sum(survived(run, requests) for run in confirm))
     served = all(survived(cap, requests) for cap in caps)
     result.update(operator_probes=probes, operator_max_num_seqs=good, operator_first_failing=bad,
                   operator_repeats=operator_repeats, operator_survived_then_failed=flaky,
@@ -174,6 +188,12 @@ def _flaky(config: dict) -> str:
     return f"; survived a run, then failed one: {', '.join(map(str, flaky))}" if flaky else ""
 
 
+def _again(config: dict) -> str:
+    runs = config.get("operator_again")
+    return (f"; {config['operator_max_num_seqs']} loaded {len(runs)} more times: survived "
+            f"{config['operator_again_survived']}" if runs else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default=DEFAULT_CONFIGS,
@@ -184,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="also run kv-budget with this --model-local-kv-margin ('' skips it; default 128MiB)")
     parser.add_argument("--operator-repeats", type=int, default=2,
                         help="runs of each figure the operator tries; it survives when every one does (default 2)")
+    parser.add_argument("--operator-confirm", type=int, default=0,
+                        help="loads of the operator's figure after the bisection, to show how often stock survives "
+                             "it (default 0)")
     parser.add_argument("--serves", type=int, default=3,
                         help="kv-budget serves per configuration on one cost record (default 3)")
     parser.add_argument("--out", default=str(HERE / "out" / "memory_limit"))
@@ -199,14 +222,14 @@ def main(argv: list[str] | None = None) -> int:
     for text in args.configs.split(","):
         positions, _, room = text.partition(":")
         config = run_config(work, int(positions), parse_byte_size(room), args.requests, args.bisect_steps,
-                            args.small_margin or None, args.serves, args.operator_repeats)
+                            args.small_margin or None, args.serves, args.operator_repeats, args.operator_confirm)
         document["configs"].append(config)
         if "operator_max_num_seqs" in config:
             print(f"  kv-budget {config['kv_budget_first_max_num_seqs']} in its first serve, "
                   f"{config['kv_budget_max_num_seqs']} in its last ({args.serves}; every request served in each: "
                   f"{config['kv_budget_served']}, OOM kills {config['kv_budget_oom_kills']}) against the operator's "
                   f"{config['operator_max_num_seqs']} (first failing {config['operator_first_failing']}"
-                  f"{_flaky(config)}): "
+                  f"{_flaky(config)}{_again(config)}): "
                   f"{config.get('kv_budget_first_of_operator', 'n/a')}, "
                   f"{config.get('kv_budget_of_operator', 'n/a')}", flush=True)
     write_results(args.results, document)
