@@ -21,7 +21,8 @@ completions:
 3. the operator: stock vLLM with ``--max-num-seqs N``, bisected between the
    largest figure known to survive (kv-budget's startup cap where it served
    every request: the same sequences in flight on the same engine) and the
-   smallest known to fail (256 where ``off`` failed). A run survives when
+   smallest known to fail (256 where ``off`` failed; where it survived,
+   256 is the operator's figure and nothing is bisected). A run survives when
    all 256 requests complete with no OOM kill; a figure survives when
    ``--operator-repeats`` runs of it do (a careful operator tries a figure
    more than once: the edge is noisy, and a figure that survived one run
@@ -45,6 +46,7 @@ against the operator's figure.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -140,6 +142,8 @@ def run_config(work: Path, positions: int, room: int, requests: int, bisect_step
     first, last = caps[0], caps[-1]
     good = (first.get("max_num_seqs") or 0) if survived(first, requests) else 0
     bad = requests if not survived(off, requests) else None
+    if bad is None:  # stock survived the load at its max_num_seqs: that is the operator's figure
+        good = off["server_max_num_seqs"]
     probes, flaky = [], []
     if bad is not None:
         for _ in range(bisect_steps):
@@ -217,8 +221,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[bench_memory_limit] {reason}: nothing to measure", file=sys.stderr)
         return 2
     work = Path(args.out).resolve()
+    # glibc's allocator settings reach every server (they inherit this environment) and move what a load costs.
+    allocator = {key: value for key, value in os.environ.items() if key.startswith("MALLOC_")}
+    if allocator:
+        print(f"[bench_memory_limit] every server runs with {allocator}", flush=True)
     document = {"benchmark": "bench_memory_limit", "requests": args.requests, "loadavg_before": loadavg(),
-                "configs": []}
+                "allocator_environment": allocator, "configs": []}
     for text in args.configs.split(","):
         positions, _, room = text.partition(":")
         config = run_config(work, int(positions), parse_byte_size(room), args.requests, args.bisect_steps,
