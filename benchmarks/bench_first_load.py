@@ -38,8 +38,8 @@ from machine import loadavg, write_results
 
 from kv_budget.units import format_bytes, parse_byte_size
 from kv_budget_demo.checkpoint import write_demo_checkpoint
-from kv_budget_demo.demo import DemoServer
-from kv_budget_demo.memory_limit import MemoryCgroup, cgroup_unavailable
+from kv_budget_demo.limit_demo import demo_server_in_cgroup
+from kv_budget_demo.memory_limit import cgroup_unavailable
 from kv_budget_demo.serving import LoadResult, send_completions
 
 HERE = Path(__file__).resolve().parent
@@ -69,14 +69,11 @@ def one_server(checkpoint: Path, run_dir: Path, arrival: str, max_num_seqs: int,
     """A fresh stock server in its own cgroup, loads of one kind (two, or
     one under ``room``): each load's peak above the usage before it, and
     the most held at once."""
-    group = MemoryCgroup.create("kv-budget-first-load", UNBINDING_LIMIT)
-    if group.version != "v1":
-        group.remove()
-        raise SystemExit("[bench_first_load] a load's peak needs cgroup v1's resettable memory.max_usage_in_bytes")
-    run = DemoServer.create(checkpoint, run_dir, ["--model-local-kv-policy", "off"], max_num_seqs=max_num_seqs)
-    run.server.command_prefix = group.command_prefix()
     loads = []
-    try:
+    with demo_server_in_cgroup("kv-budget-first-load", UNBINDING_LIMIT, checkpoint, run_dir,
+                               ["--model-local-kv-policy", "off"], max_num_seqs) as (group, run):
+        if group.version != "v1":
+            raise SystemExit("[bench_first_load] a load's peak needs cgroup v1's resettable memory.max_usage_in_bytes")
         run.server.start()
         if room is not None:
             group.set_limit(group.working_set() + room)
@@ -91,9 +88,6 @@ def one_server(checkpoint: Path, run_dir: Path, arrival: str, max_num_seqs: int,
                           "peak_above_bytes": above, "per_held_sequence_bytes": above // max(held, 1),
                           "completed": result.completed, "oom_kills": group.oom_kills(),
                           "limit_bytes": group.limit()})
-    finally:
-        run.server.stop()
-        group.remove()
     return loads
 
 

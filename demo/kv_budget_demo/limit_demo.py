@@ -31,6 +31,8 @@ import argparse
 import json
 import re
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from kv_budget.units import format_bytes, parse_byte_size
@@ -40,12 +42,28 @@ from kv_budget_demo.demo import main as demo_main
 from kv_budget_demo.memory_limit import MemoryCgroup, ProcessPeaks, cgroup_unavailable
 from kv_budget_demo.serving import ServerStartError, send_completions
 
-__all__ = ["DEFAULT_ROOM", "DEFAULT_POSITIONS", "run_under_limit", "main"]
+__all__ = ["DEFAULT_ROOM", "DEFAULT_POSITIONS", "demo_server_in_cgroup", "run_under_limit", "main"]
 
 DEFAULT_ROOM = "1.6GB"
 """Above the server's working set after startup: 256 sequences of 8 MiB do not fit it, about 80 do with the margin."""
 DEFAULT_POSITIONS = 2048
 """Positions per talker row: 8 MiB per sequence."""
+
+
+@contextmanager
+def demo_server_in_cgroup(name: str, limit: int | None, checkpoint: Path, run_dir: Path, flags: list[str],
+                          max_num_seqs: int) -> Iterator[tuple[MemoryCgroup, DemoServer]]:
+    """A memory cgroup made for one demo server, and the server set to start
+    inside it (the caller starts it: a start that fails is the caller's
+    figure); on leaving, the server is stopped and the group removed."""
+    group = MemoryCgroup.create(name, limit)
+    run = DemoServer.create(checkpoint, run_dir, flags, max_num_seqs=max_num_seqs)
+    run.server.command_prefix = group.command_prefix()
+    try:
+        yield group, run
+    finally:
+        run.server.stop()
+        group.remove()
 
 
 def run_under_limit(policy: str, checkpoint: Path, run_dir: Path, requests: int, limit: int | None,
@@ -57,11 +75,9 @@ def run_under_limit(policy: str, checkpoint: Path, run_dir: Path, requests: int,
     ``processes`` in the result: each process's growth during the load
     (:class:`~kv_budget_demo.memory_limit.ProcessPeaks`)."""
     flags = ["--model-local-kv-policy", policy, "--model-local-kv-ledger-dir", "off", *flags]
-    group = MemoryCgroup.create(f"kv-budget-demo-{policy}", limit)
-    run = DemoServer.create(checkpoint, run_dir, flags, max_num_seqs=max_num_seqs)
-    run.server.command_prefix = group.command_prefix()
     result: dict = {"policy": policy}
-    try:
+    name = f"kv-budget-demo-{policy}"
+    with demo_server_in_cgroup(name, limit, checkpoint, run_dir, flags, max_num_seqs) as (group, run):
         try:
             run.server.start()
         except ServerStartError as exc:
@@ -84,9 +100,6 @@ def run_under_limit(policy: str, checkpoint: Path, run_dir: Path, requests: int,
                       oom_kills=group.oom_kills(), requests=requests, completed=load.completed, failed=load.failed,
                       seconds=round(load.seconds, 1), errors=load.errors[:2], processes=processes.stop(),
                       server_max_num_seqs=max_num_seqs)
-    finally:
-        run.server.stop()
-        group.remove()
     # What kv-budget's live limit did (its log lines), and what the demo model really ran at once.
     log = run.server.log_text()
     limits = [int(n) for n in re.findall(r"kv-budget: live: Scheduler\.\w+ (\d+) \(live limit", log)]
