@@ -308,8 +308,8 @@ class LiveHook:
         self.started = False
         """Whether the first step came: the limit a device-following monitor starts at is applied then."""
         self.most_held = 0
-        """The most held (running, parked and finished but not yet freed) after any step since the last sample:
-        :attr:`kv_budget.watch.live.LiveMonitor.held_at_peak`."""
+        """The most held (running, parked and finished but not yet freed) after any step since the last sample,
+        counted where the device is watched: :attr:`kv_budget.watch.live.LiveMonitor.held_at_peak`."""
         self.watch_seconds = 0.0
         """The CPU time opening them took (the engine core's and the slowest worker's), added to the sample's cost."""
         self.write_status()
@@ -393,8 +393,9 @@ class LiveHook:
                 if output.finish_reason is not None:
                     self.completed += 1
         scheduler = core.scheduler
-        held = len(scheduler.running) + len(scheduler.finished_req_ids) + parked_requests(scheduler)
-        self.most_held = max(self.most_held, held)
+        if self.watch_device:  # only what the device holds is read against it
+            held = len(scheduler.running) + len(scheduler.finished_req_ids) + parked_requests(scheduler)
+            self.most_held = max(self.most_held, held)
         if self.limit_applied is not None and self.limit_applied > self.monitor.limit:
             self.limit_applied = apply_limit(scheduler, self.monitor.limit)
         idle = scheduler.get_num_unfinished_requests() == 0 and not scheduler.finished_req_ids
