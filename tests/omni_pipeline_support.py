@@ -15,8 +15,11 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 import subprocess
 import sys
+import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +46,36 @@ class OmniApiServer(ApiServer):
         return [sys.executable, str(SERVE_RUNNER), "serve", self.model, "--omni",
                 "--deploy-config", self.deploy, "--host", "127.0.0.1", "--port", str(self.port),
                 "--stage-init-timeout", str(STAGE_INIT_TIMEOUT), *self.extra_args]
+
+    def metrics_once_idle(self, completed: dict[int, int], timeout: float = 60) -> str:
+        """The ``/metrics`` body once it shows, for each stage in ``completed``,
+        the sample that stage took as its load drained: that many requests
+        completed and none held.
+
+        A stage samples once more as it goes idle, possibly after the last
+        response went out, and that sample can still move its live limit and
+        its share; the API server publishes it within a second. Read earlier,
+        ``/metrics`` and the status files a stage leaves would describe two
+        different samples."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as response:
+                metrics = response.read().decode()
+            shown = {stage_id: (stage_series(metrics, "kv_budget:live_completed_requests", stage_id),
+                                stage_series(metrics, "kv_budget:live_held_sequences", stage_id))
+                     for stage_id in completed}
+            if shown == {stage_id: (count, 0) for stage_id, count in completed.items()}:
+                return metrics
+            assert time.monotonic() < deadline, f"(completed, held) per stage still {shown} after {timeout} s"
+            time.sleep(0.2)
+
+
+def stage_series(metrics: str, name: str, stage_id: int) -> float | None:
+    """The value of ``name`` for stage ``stage_id``, replica 0, in a ``/metrics`` body; None where absent."""
+    for labels, value in re.findall(rf"^{re.escape(name)}\{{([^}}]*)\}} (\S+)$", metrics, re.M):
+        if f'stage="{stage_id}"' in labels and 'replica="0"' in labels:
+            return float(value)
+    return None
 
 
 def stage(stage_id: int, max_tokens: int, **settings) -> dict:

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from omni_pipeline_support import OmniApiServer
+from omni_pipeline_support import OmniApiServer, stage_series
 from omni_tts_serve_load import SpeechLoad, send_speech
 
 from kv_budget.cli import main as kv_budget_main
@@ -131,8 +131,7 @@ def serve_tts(tmp_path_factory, name: str, flags: list[str], env: dict[str, str]
     api.start(timeout=600)
     try:
         served = send_speech(api.url, str(checkpoint), requests, clone_every=2)
-        with urllib.request.urlopen(f"{api.url}/metrics", timeout=10) as response:
-            metrics = response.read().decode()
+        metrics = api.metrics_once_idle({0: requests, 1: requests})
         (work / "metrics.txt").write_text(metrics)
         with urllib.request.urlopen(f"{api.url}/health", timeout=10) as response:
             alive = response.status == 200 and api._process.poll() is None
@@ -163,13 +162,6 @@ def supplied(tmp_path_factory):
 @pytest.fixture(scope="module")
 def nothing(tmp_path_factory):
     return serve_tts(tmp_path_factory, "tts-nothing", [], {})
-
-
-def series(metrics: str, name: str, stage: str = "1") -> float | None:
-    for labels, value in re.findall(rf"^{re.escape(name)}\{{([^}}]*)\}} (\S+)$", metrics, re.M):
-        if f'stage="{stage}"' in labels:
-            return float(value)
-    return None
 
 
 def stage1(run: TtsRun) -> dict:
@@ -241,7 +233,7 @@ def test_stage_1_held_fewer_than_256_and_stayed_within_the_headroom(declared):
     probe = run.probe
     assert probe["entries_peak"] <= CAP < REQUESTS, probe
     assert probe["at_once_peak_bytes"] <= HEADROOM, probe
-    assert series(run.metrics, "kv_budget:live_peak_bytes") <= HEADROOM
+    assert stage_series(run.metrics, "kv_budget:live_peak_bytes", 1) <= HEADROOM
 
 
 # --- declaring nothing ---
@@ -272,11 +264,12 @@ def test_with_nothing_declared_live_measurement_names_the_holders_and_limits_by_
     (rank,) = live["ranks"]
     # The stage holding caches is given the room only it uses, not 0 B: what it adds inside a step
     # comes off first, the rest is its share of what scales with sequences.
-    assert series(nothing.metrics, "kv_budget:deployment_room_bytes") == HEADROOM == rank["headroom_bytes"]
-    share = series(nothing.metrics, "kv_budget:deployment_share_bytes")
+    assert stage_series(nothing.metrics, "kv_budget:deployment_room_bytes", 1) == HEADROOM == rank["headroom_bytes"]
+    share = stage_series(nothing.metrics, "kv_budget:deployment_share_bytes", 1)
     assert share == HEADROOM - rank["uncharged_fixed_bytes"] and rank["live_per_seq_bytes"] > 0
     bound = (HEADROOM - rank["uncharged_fixed_bytes"]) // rank["live_per_seq_bytes"]
-    assert live["limit"] == min(REQUESTS, bound) == series(nothing.metrics, "kv_budget:live_max_num_seqs"), live
+    published = stage_series(nothing.metrics, "kv_budget:live_max_num_seqs", 1)
+    assert live["limit"] == min(REQUESTS, bound) == published, live
 
 
 def test_with_nothing_declared_the_live_figures_agree_with_the_independent_count(nothing):
@@ -289,9 +282,10 @@ def test_with_nothing_declared_the_live_figures_agree_with_the_independent_count
     probe = nothing.probe
     assert owners[""]["peak_bytes"] == probe["retained_peak_bytes"], (owners, probe)
     assert 0 < owners["decoder"]["peak_bytes"] <= probe["at_once_peak_invocation_bytes"], (owners, probe)
-    assert series(nothing.metrics, "kv_budget:live_peak_bytes") <= probe["at_once_peak_bytes"]  # never over-counted
+    # never over-counted
+    assert stage_series(nothing.metrics, "kv_budget:live_peak_bytes", 1) <= probe["at_once_peak_bytes"]
 
 
 def test_with_nothing_declared_the_load_completes_within_the_headroom(nothing):
-    assert series(nothing.metrics, "kv_budget:live_peak_bytes_within_limit") <= HEADROOM
+    assert stage_series(nothing.metrics, "kv_budget:live_peak_bytes_within_limit", 1) <= HEADROOM
     assert nothing.probe["at_once_peak_bytes"] <= HEADROOM, nothing.probe

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import re
-import urllib.request
 
 import pytest
 from engine_support import HEADROOM, PER_SEQ
@@ -68,8 +67,7 @@ def serve(tmp_path_factory, name: str, override: str, *extra: str) -> dict:
     api.start(timeout=400)
     try:
         served = send_completions(api.url, str(checkpoint), REQUESTS, prompt_tokens=8, max_tokens=MAX_TOKENS)
-        with urllib.request.urlopen(f"{api.url}/metrics", timeout=10) as response:
-            metrics = response.read().decode()
+        metrics = api.metrics_once_idle({0: REQUESTS, 1: REQUESTS})
         (work / "metrics.txt").write_text(metrics)
     finally:
         api.stop()

@@ -52,7 +52,11 @@ orchestrator never builds vLLM's ``AsyncLLM`` and never loads
 ``vllm.stat_logger_plugins``; it builds its own ``OmniPrometheusStatLogger``,
 one per driver, which relabels vLLM's ``engine`` label to ``stage`` and
 ``replica``. The wrapper gives it one :class:`KvBudgetStatLogger` per stage
-and replica, refreshed as it records, labelled the same way.
+and replica, labelled the same way, and a thread that refreshes them every
+:data:`REFRESH_INTERVAL_S`: vLLM-Omni records only when a stage hands back
+outputs and never calls ``log``, so refreshing as it records would leave
+the sample a stage takes as its load drains (which may still lower its
+live limit) unpublished until its next request.
 
 **Only where stats are on** (:func:`patch_async_llm`). vLLM turns stats
 on for every ``AsyncLLM`` that has a custom stat logger, even under
@@ -71,6 +75,7 @@ import inspect
 import os
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -88,13 +93,13 @@ from vllm_patches.patching import patch_method
 
 __all__ = [
     "REFRESH_INTERVAL_S", "KvBudgetStatLogger", "lower_frontend_max_num_seqs", "patch_async_llm",
-    "patch_omni_stat_logger", "patch_ready_response", "stat_logger_where_stats_are_on",
+    "patch_omni_stat_logger", "patch_ready_response", "refresh_while_alive", "stat_logger_where_stats_are_on",
 ]
 
 REFRESH_INTERVAL_S = 1.0
-"""Least seconds between two reads of the status file from ``record``:
-the engine rewrites it at most once per live sample (1 s by default), and
-``record`` runs after every engine output batch."""
+"""Least seconds between two reads of the status file from ``record``, and
+the period of vLLM-Omni's refresher: the engine rewrites it at most once per
+live sample (1 s by default), and ``record`` runs after every engine output batch."""
 
 
 # --- the cap ---------------------------------------------------------------
@@ -192,6 +197,8 @@ class KvBudgetStatLogger(StatLoggerBase):
         self.model_name = served_model_name(vllm_config)
         self._last_refresh: float | None = None
         self._last_seen: tuple[int, int] | None = None
+        self._refreshing = threading.Lock()
+        """vLLM-Omni's refresher thread and its orchestrator (a new replica) may refresh at once."""
         _gauges.table(staged=stage is not None)
 
     def status_file(self) -> Path | None:
@@ -209,6 +216,10 @@ class KvBudgetStatLogger(StatLoggerBase):
     def refresh(self) -> int:
         """Publish the status file's figures; return how many samples were
         set (0 when there is nothing to publish or it did not change)."""
+        with self._refreshing:
+            return self._refresh()
+
+    def _refresh(self) -> int:
         self._last_refresh = time.monotonic()
         path = self.status_file()
         if path is None:
@@ -277,9 +288,9 @@ def patch_async_llm(async_llm_cls) -> None:
 # --- vLLM-Omni's stat logger ---------------------------------------------------
 
 def patch_omni_stat_logger(stat_logger_cls) -> None:
-    """Wrap ``OmniPrometheusStatLogger.__init__``, ``register_replica`` and
-    ``record``: one kv-budget logger per (stage, replica), refreshed when
-    vLLM-Omni records (at most once a second each)."""
+    """Wrap ``OmniPrometheusStatLogger.__init__`` and ``register_replica``:
+    one kv-budget logger per (stage, replica), refreshed every
+    :data:`REFRESH_INTERVAL_S` by :func:`refresh_while_alive`."""
     def add(self, engine_idx: int, stage: str, replica: str) -> None:
         staged = Stage(stage_id=int(stage), replica=int(replica))
         self._kv_budget_loggers[engine_idx] = KvBudgetStatLogger(self.vllm_config, 0, staged)
@@ -291,6 +302,7 @@ def patch_omni_stat_logger(stat_logger_cls) -> None:
             self._kv_budget_loggers = {}
             for engine_idx, (stage, replica) in dict(stage_replica_map).items():
                 add(self, engine_idx, stage, replica)
+            refresh_while_alive(self)
         return __init__
 
     def wrap_register(original):
@@ -300,13 +312,25 @@ def patch_omni_stat_logger(stat_logger_cls) -> None:
                 add(self, engine_idx, stage, replica)
         return register_replica
 
-    def wrap_record(original):
-        def record(self, *args, **kwargs):
-            original(self, *args, **kwargs)
-            for kv_budget_logger in self._kv_budget_loggers.values():
-                kv_budget_logger.record(None, None)
-        return record
-
     patch_method(stat_logger_cls, "__init__", wrap_init)
     patch_method(stat_logger_cls, "register_replica", wrap_register)
-    patch_method(stat_logger_cls, "record", wrap_record)
+
+
+def refresh_while_alive(stat_logger: Any) -> threading.Thread:
+    """Start a daemon thread that refreshes ``stat_logger``'s kv-budget
+    loggers every :data:`REFRESH_INTERVAL_S`, idle or not, until the stat
+    logger is gone (it holds it weakly, so a driver that drops it stops it)."""
+    owner = weakref.ref(stat_logger)
+
+    def run() -> None:
+        while (current := owner()) is not None:
+            loggers = list(current._kv_budget_loggers.values())
+            del current
+            for kv_budget_logger in loggers:
+                kv_budget_logger._refresh_guarded()
+            del loggers
+            time.sleep(REFRESH_INTERVAL_S)
+
+    thread = threading.Thread(target=run, name="kv-budget-metrics", daemon=True)
+    thread.start()
+    return thread

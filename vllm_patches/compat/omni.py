@@ -49,7 +49,6 @@ def check_vllm_omni() -> str:
     needed = [(VllmOmniConfig, "from_pipeline_config"), (StageRuntime, "_build_logical_stage_init_plans"),
               (StageRuntime, "_finalize_initialized_stages"), (StageRuntime, "launch_stage_engines"),
               (OmniPrometheusStatLogger, "register_replica"),
-              (OmniPrometheusStatLogger, "record"),
               # what the deployment's record reads, as vLLM-Omni's admission reads it
               (stage_admission, "graph_reserve_bytes"), (stage_admission, "_diffusion_utilization"),
               (stage_init_utils, "parse_physical_device_ids"), (stage_utils, "resolve_stage_physical_devices"),
