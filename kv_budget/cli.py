@@ -51,7 +51,7 @@ from kv_budget.report import (
     reserve_infeasible_message,
 )
 from kv_budget.settings import Policy
-from kv_budget.units import byte_size_argument, parse_byte_size, positive_int_argument
+from kv_budget.units import byte_size_argument, parse_byte_size, per_each, positive_int_argument
 
 __all__ = ["main", "EXIT_OK", "EXIT_BAD_INPUT", "EXIT_INFEASIBLE", "EXIT_AUDIT_FAILED"]
 
@@ -272,7 +272,7 @@ def _run_reserve_plan(args: argparse.Namespace, worker: WorkerBudget | None) -> 
         cap_plan = None
     else:
         cap_plan = make_plan([worker], args.max_num_seqs, Policy.CAP)
-    blocks_per_sequence = -(-args.max_model_len // args.block_size)
+    blocks_per_sequence = per_each(args.max_model_len, args.block_size)
     reserve = plan_reserve(
         [reserve_out_of_pool(worker, args.max_num_seqs, args.kv_pool_bytes, args.block_bytes,
                              blocks_per_sequence * args.block_bytes)],

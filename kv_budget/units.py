@@ -13,7 +13,7 @@ import re
 from decimal import Decimal, InvalidOperation
 
 __all__ = ["parse_byte_size", "byte_size_argument", "parse_positive_int", "positive_int_argument", "format_bytes",
-           "MiB", "GiB"]
+           "per_each", "MiB", "GiB"]
 
 KiB = 1024
 MiB = 1024**2
@@ -116,6 +116,13 @@ def seconds_argument(text: str) -> float:
     if not 0 <= value < float("inf"):
         raise argparse.ArgumentTypeError(f"{text!r}: expected seconds >= 0 (0: no live sampling)")
     return value
+
+
+def per_each(total: int, count: int) -> int:
+    """``total`` over ``count``, rounded up, 0 where ``count`` is 0: a
+    per-sequence (or per-block) share must never be read lower than it is,
+    or a bound built on it admits one too many."""
+    return -(-total // count) if count else 0
 
 
 def format_bytes(value: int) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kv_budget.units import format_bytes, parse_byte_size
+from kv_budget.units import format_bytes, parse_byte_size, per_each
 
 
 @pytest.mark.parametrize(
@@ -35,3 +35,14 @@ def test_refuses_what_is_not_a_whole_non_negative_size(text):
 def test_format_gives_exact_bytes_and_mib():
     assert format_bytes(1_191_182_336) == "1,191,182,336 B (1136.00 MiB)"
     assert format_bytes(0) == "0 B (0.00 MiB)"
+
+
+@pytest.mark.parametrize(("total", "count", "expected"), [
+    (12, 4, 3),  # exact
+    (13, 4, 4),  # a remainder rounds up: a share is never read lower than it is
+    (1, 4, 1),
+    (0, 4, 0),
+    (5, 0, 0),  # nothing held: no share
+])
+def test_a_share_per_each_rounds_up(total, count, expected):
+    assert per_each(total, count) == expected

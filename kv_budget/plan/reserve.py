@@ -36,6 +36,7 @@ from pydantic import BaseModel
 
 from kv_budget.plan.planner import Headroom, Plan, WorkerBudget, make_plan, safe_max_num_seqs
 from kv_budget.settings import Policy
+from kv_budget.units import per_each
 
 __all__ = ["PoolReservation", "ReservePlan", "POOL_SOURCE", "reserve_out_of_pool", "plan_reserve", "watch_plan"]
 
@@ -139,7 +140,7 @@ def plan_reserve(
     if not reservations:
         raise ValueError("plan_reserve needs at least one worker's reservation")
     binding = min(reservations, key=lambda r: (r.num_blocks_after, r.pool_bytes_after, r.rank))
-    blocks_per_sequence = -(-binding.sequence_bytes // binding.block_bytes)
+    blocks_per_sequence = per_each(binding.sequence_bytes, binding.block_bytes)
     return ReservePlan(
         max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,

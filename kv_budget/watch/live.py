@@ -65,6 +65,7 @@ from kv_budget.declare.spec import RowDriver, Scope
 from kv_budget.plan.planner import Charge, Headroom, Plan, WorkerBudget, live_margin_bytes, safe_max_num_seqs
 from kv_budget.sample.in_step import InStepPeaks
 from kv_budget.settings import DEFAULT_SAMPLE_INTERVAL_S, Policy
+from kv_budget.units import per_each
 from kv_budget.watch.cost_record import CostRecord, HeldCost
 from kv_budget.watch.live_state import Finding, LiveState, OwnerLive, RankLive, Verdict
 
@@ -247,7 +248,7 @@ def remembered_burst(
     measured = held.most_held * recorded
     if measured > room:
         short = measured - room
-        fits = max(held.most_held - -(-short // max(declared, 1)), 0)
+        fits = max(held.most_held - per_each(short, max(declared, 1)), 0)
         basis += (f": fewer than {held.most_held} fit in {room:,} B, so {held.most_held} - ceil({short:,} B "
                   f"short / {declared:,} B declared per sequence)")
         return fits, recorded, basis
@@ -255,7 +256,7 @@ def remembered_burst(
     fits = held.most_held + (room - measured) // past
     basis += (f" for {held.most_held}, and {past:,} B for each past them: "
               f"{held.most_held} + floor(({room:,} B - {measured:,} B) / {past:,} B)")
-    return fits, -(-(measured + (fits - held.most_held) * past) // max(fits, 1)), basis
+    return fits, per_each(measured + (fits - held.most_held) * past, max(fits, 1)), basis
 
 
 def burst_cost_bytes(headroom: Headroom, per_seq_bytes: int, configured_max_num_seqs: int) -> int:
@@ -270,7 +271,7 @@ def burst_cost_bytes(headroom: Headroom, per_seq_bytes: int, configured_max_num_
     0 where nothing is declared per sequence."""
     if not per_seq_bytes:
         return 0
-    return headroom.sharers * per_seq_bytes + -(-_growth_margin_bytes(headroom) // configured_max_num_seqs)
+    return headroom.sharers * per_seq_bytes + per_each(_growth_margin_bytes(headroom), configured_max_num_seqs)
 
 
 def rise_cost_bytes(measured: int, burst: int) -> tuple[int, str]:
@@ -691,7 +692,7 @@ class LiveMonitor:
         startup = headroom.sampled_free_bytes or free.free_bytes
         grown = max(startup - lowest, 0)
         held = self.held_at_peak
-        measured = -(-grown // held) if held else 0
+        measured = per_each(grown, held)
         most_held, at_most = self._note_cost_at_most_held(rank, max(startup - lowest_seen, 0))
         burst = burst_cost_bytes(headroom, self.rank_per_seq_bytes(rank), self.plan.configured_max_num_seqs)
         if self.first is not None:
@@ -744,7 +745,7 @@ class LiveMonitor:
         lost since startup at the worst step seen) over
         :attr:`held_at_peak` taken in."""
         held = self.held_at_peak
-        cost = -(-grown_at_worst // held) if held else 0
+        cost = per_each(grown_at_worst, held)
         most_held, at_most = self._cost_at_most_held.get(rank, (0, 0))
         if held and (held > most_held or (held == most_held and cost > at_most)):
             self._cost_at_most_held[rank] = (held, cost)
