@@ -140,29 +140,12 @@ def run_config(work: Path, positions: int, room: int, requests: int, bisect_step
         print(_line(f"kv-budget, {small_margin}", small), flush=True)
         result["cap_small_margin"] = {"margin": small_margin, **small}
     first, last = caps[0], caps[-1]
-    good = (first.get("max_num_seqs") or 0) if survived(first, requests) else 0
-    bad = requests if not survived(off, requests) else None
-    if bad is None:  # stock survived the load at its max_num_seqs: that is the operator's figure
-        good = off["server_max_num_seqs"]
-    probes, flaky = [], []
-    if bad is not None:
-        for _ in range(bisect_steps):
-            if bad - (good or 0) <= 1:
-                break
-            trial = ((good or 0) + bad) // 2
-            for repeat in range(1, operator_repeats + 1):
-                probe = run_under_limit("off", checkpoint, work / name / f"operator-{trial}-{repeat}", requests,
-                                        limit, room, max_num_seqs=trial)
-                print(_line(f"operator, {trial} ({repeat})", probe), flush=True)
-                probes.append(probe)
-                if not survived(probe, requests):
-                    break
-            if survived(probe, requests):
-                good = trial
-            else:
-                bad = trial
-                if repeat > 1:  # it survived before: a single run would have taken it
-                    flaky.append(trial)
+    if survived(off, requests):  # stock survived the load at its max_num_seqs: that is the operator's figure
+        good, bad, probes, flaky = off["server_max_num_seqs"], None, [], []
+    else:  # from kv-budget's startup cap (where its first serve survived) up to the 256 stock failed at
+        start = (first.get("max_num_seqs") or 0) if survived(first, requests) else 0
+        good, bad, probes, flaky = bisect_operator(checkpoint, work / name, limit, room, requests, start,
+                                                   bisect_steps, operator_repeats)
     confirm = []
     for repeat in range(1, operator_confirm + 1):
         if not good:
@@ -185,6 +168,35 @@ def run_config(work: Path, positions: int, room: int, requests: int, bisect_step
         result["kv_budget_first_of_operator"] = round((result["kv_budget_first_max_num_seqs"] or 0) / good, 3)
         result["kv_budget_of_operator"] = round((result["kv_budget_max_num_seqs"] or 0) / good, 3)
     return result
+
+
+def bisect_operator(checkpoint: Path, work: Path, limit: int, room: int, requests: int, good: int, steps: int,
+                    repeats: int) -> tuple[int, int, list[dict], list[int]]:
+    """A careful operator's figure by hand: bisect ``max_num_seqs`` between
+    ``good`` (survived, or 0) and ``requests`` (failed), each trial loaded
+    up to ``repeats`` times and kept only if it survived every load.
+    Returns (largest survived, smallest failed, every probe, the trials that
+    survived a load before one failed)."""
+    bad = requests
+    probes, flaky = [], []
+    for _ in range(steps):
+        if bad - good <= 1:
+            break
+        trial = (good + bad) // 2
+        for repeat in range(1, repeats + 1):
+            probe = run_under_limit("off", checkpoint, work / f"operator-{trial}-{repeat}", requests, limit, room,
+                                    max_num_seqs=trial)
+            print(_line(f"operator, {trial} ({repeat})", probe), flush=True)
+            probes.append(probe)
+            if not survived(probe, requests):
+                break
+        if survived(probe, requests):
+            good = trial
+        else:
+            bad = trial
+            if repeat > 1:  # it survived before: a single run would have taken it
+                flaky.append(trial)
+    return good, bad, probes, flaky
 
 
 def _flaky(config: dict) -> str:
