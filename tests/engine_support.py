@@ -19,6 +19,8 @@ import os
 import re
 import subprocess
 import sys
+import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,6 +111,30 @@ def kv_cache_tokens(log: str) -> int:
     match = re.search(r"CPU KV cache size: ([\d,]+) tokens", log)
     assert match, "vLLM printed no KV cache size"
     return int(match.group(1).replace(",", ""))
+
+
+def metrics_once_idle(url: str, status_file: Path, timeout: float = 60) -> str:
+    """The ``/metrics`` body once it shows the sample the engine took as its
+    load drained: none held, as many completed as ``status_file`` (the
+    engine's status) says. That sample may come after the last response
+    went out, and vLLM's API server publishes it at its next stats log
+    (``VLLM_LOG_STATS_INTERVAL``); read before, ``/metrics`` and the status
+    file the engine leaves would describe two different samples."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+            body = response.read().decode()
+        live = json.loads(status_file.read_text()).get("live") if status_file.exists() else None
+        if live is not None and live["held_sequences"] == 0 and (
+                _metric_or_none(body, "kv_budget:live_held_sequences"),
+                _metric_or_none(body, "kv_budget:live_completed_requests")) == (0, live["completed_requests"]):
+            return body
+        assert time.monotonic() < deadline, f"/metrics did not show the engine's idle sample after {timeout} s: {live}"
+        time.sleep(0.2)
+
+
+def _metric_or_none(body: str, name: str) -> float | None:
+    return metric_sum(body, name) if re.search(rf"^{re.escape(name)}[{{ ]", body, re.M) else None
 
 
 def metric_sum(body: str, name: str) -> float:

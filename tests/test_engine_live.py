@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from engine_support import metric_sum
+from engine_support import metric_sum, metrics_once_idle
 
 from kv_budget.units import MiB
 from kv_budget.watch.live import DEAD_AFTER_COMPLETED
@@ -72,6 +72,7 @@ def _serve(talker: dict, workdir: Path, policy: str, requests: int, scrape: bool
     status_dir = workdir / "status"
     run = DemoServer.create(checkpoint, workdir, ["--model-local-kv-policy", policy, *FLAGS])
     run.server.env[STATUS_DIR_ENV] = str(status_dir)
+    run.server.env["VLLM_LOG_STATS_INTERVAL"] = "1"  # the idle sample reaches /metrics within a second
     scrapes: list[str] = []
     with run.server:
         done = threading.Event()
@@ -93,9 +94,7 @@ def _serve(talker: dict, workdir: Path, policy: str, requests: int, scrape: bool
         if abort_half:
             streaming = send_streaming_completions(run.server.url, str(checkpoint), requests=256)
             after = send_completions(run.server.url, str(checkpoint), requests=8)
-        time.sleep(2)  # the idle sample follows the last request
-        with urllib.request.urlopen(f"{run.server.url}/metrics", timeout=10) as response:
-            final_metrics = response.read().decode()
+        final_metrics = metrics_once_idle(run.server.url, status_path(status_dir, str(checkpoint), 0))
     status = read_status(status_path(status_dir, str(checkpoint), 0))
     assert status is not None, run.server.log_text()[-3000:]
     return LiveRun(load, run.server.log_text(), status.model_dump(mode="json"), read_peak_stats(run.stats_dir),
