@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,24 +114,34 @@ def kv_cache_tokens(log: str) -> int:
     return int(match.group(1).replace(",", ""))
 
 
-def metrics_once_idle(url: str, status_file: Path, timeout: float = 60) -> str:
+def metrics_when(url: str, ready: Callable[[str], bool], awaited: str, timeout: float = 60) -> str:
+    """The first ``/metrics`` body, read every 0.2 s, that ``ready`` accepts;
+    after ``timeout`` s, a failure naming what was ``awaited`` and the last
+    body's live counts."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+            body = response.read().decode()
+        if ready(body):
+            return body
+        counts = re.findall(r"^kv_budget:live_(?:held_sequences|completed_requests)\b.*$", body, re.M)
+        assert time.monotonic() < deadline, f"/metrics did not show {awaited} after {timeout} s: {counts}"
+        time.sleep(0.2)
+
+
+def metrics_once_idle(url: str, status_file: Path) -> str:
     """The ``/metrics`` body once it shows the sample the engine took as its
     load drained: none held, as many completed as ``status_file`` (the
     engine's status) says. That sample may come after the last response
     went out, and vLLM's API server publishes it at its next stats log
     (``VLLM_LOG_STATS_INTERVAL``); read before, ``/metrics`` and the status
     file the engine leaves would describe two different samples."""
-    deadline = time.monotonic() + timeout
-    while True:
-        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
-            body = response.read().decode()
+    def idle(body: str) -> bool:
         live = json.loads(status_file.read_text()).get("live") if status_file.exists() else None
-        if live is not None and live["held_sequences"] == 0 and (
-                _metric_or_none(body, "kv_budget:live_held_sequences"),
-                _metric_or_none(body, "kv_budget:live_completed_requests")) == (0, live["completed_requests"]):
-            return body
-        assert time.monotonic() < deadline, f"/metrics did not show the engine's idle sample after {timeout} s: {live}"
-        time.sleep(0.2)
+        return live is not None and live["held_sequences"] == 0 and (
+            _metric_or_none(body, "kv_budget:live_held_sequences"),
+            _metric_or_none(body, "kv_budget:live_completed_requests")) == (0, live["completed_requests"])
+    return metrics_when(url, idle, f"the engine's idle sample in {status_file}")
 
 
 def _metric_or_none(body: str, name: str) -> float | None:

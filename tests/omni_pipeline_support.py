@@ -18,12 +18,11 @@ import json
 import re
 import subprocess
 import sys
-import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+from engine_support import metrics_when
 
 from kv_budget.cli import main as kv_budget_main
 from kv_budget_demo.serving import ApiServer
@@ -47,7 +46,7 @@ class OmniApiServer(ApiServer):
                 "--deploy-config", self.deploy, "--host", "127.0.0.1", "--port", str(self.port),
                 "--stage-init-timeout", str(STAGE_INIT_TIMEOUT), *self.extra_args]
 
-    def metrics_once_idle(self, completed: dict[int, int], timeout: float = 60) -> str:
+    def metrics_once_idle(self, completed: dict[int, int]) -> str:
         """The ``/metrics`` body once it shows, for each stage in ``completed``,
         the sample that stage took as its load drained: that many requests
         completed and none held.
@@ -57,17 +56,11 @@ class OmniApiServer(ApiServer):
         its share; the API server publishes it within a second. Read earlier,
         ``/metrics`` and the status files a stage leaves would describe two
         different samples."""
-        deadline = time.monotonic() + timeout
-        while True:
-            with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as response:
-                metrics = response.read().decode()
-            shown = {stage_id: (stage_series(metrics, "kv_budget:live_completed_requests", stage_id),
-                                stage_series(metrics, "kv_budget:live_held_sequences", stage_id))
-                     for stage_id in completed}
-            if shown == {stage_id: (count, 0) for stage_id, count in completed.items()}:
-                return metrics
-            assert time.monotonic() < deadline, f"(completed, held) per stage still {shown} after {timeout} s"
-            time.sleep(0.2)
+        def idle(body: str) -> bool:
+            return all((stage_series(body, "kv_budget:live_completed_requests", stage_id),
+                        stage_series(body, "kv_budget:live_held_sequences", stage_id)) == (count, 0)
+                       for stage_id, count in completed.items())
+        return metrics_when(self.url, idle, f"each stage's drain sample (completed {completed}, none held)")
 
 
 def stage_series(metrics: str, name: str, stage_id: int) -> float | None:
