@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from engine_support import POOL, active_seqs_flags, has_max_num_active_seqs
+from engine_support import POOL, active_seqs_flags, has_max_num_active_seqs, metrics_when
 
 from kv_budget.units import MiB
 from kv_budget.watch.metrics import FINDING_KINDS, VERDICTS
@@ -150,17 +150,22 @@ def _post(url: str, body: dict, timeout: float = 300) -> tuple[int, dict]:
         return error.code, json.loads(error.read())
 
 
-def scrape(server: ApiServer) -> list[tuple[str, dict[str, str], float]]:
-    """The ``kv_budget:`` samples of one ``/metrics`` answer."""
+def kv_budget_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """The ``kv_budget:`` samples of a ``/metrics`` body."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    status, text = _get(f"{server.url}/metrics")
-    assert status == 200, text[:500]
     return [
         (sample.name, dict(sample.labels), sample.value)
         for family in text_string_to_metric_families(text) if family.name.startswith("kv_budget:")
         for sample in family.samples
     ]
+
+
+def scrape(server: ApiServer) -> list[tuple[str, dict[str, str], float]]:
+    """The ``kv_budget:`` samples of one ``/metrics`` answer."""
+    status, text = _get(f"{server.url}/metrics")
+    assert status == 200, text[:500]
+    return kv_budget_samples(text)
 
 
 def one(samples, metric: str, /, **labels) -> float:
@@ -214,15 +219,11 @@ def _engine_status(served: Served) -> dict:
             "peak_bytes": live["ranks"][0]["peak_bytes"]}
 
 
-def _wait_for(server: ApiServer, ready, timeout: float = 60):
-    """Scrape until ``ready(samples)`` holds (the stat logger refreshes
-    every second); return the last scrape."""
-    deadline = time.monotonic() + timeout
-    while True:
-        samples = scrape(server)
-        if ready(samples) or time.monotonic() > deadline:
-            return samples
-        time.sleep(0.5)
+def _wait_for(server: ApiServer, ready, awaited: str):
+    """The ``kv_budget:`` samples of the first ``/metrics`` answer for which
+    ``ready(samples)`` holds (the stat logger refreshes every second); a
+    failure naming what was ``awaited`` if none does within a minute."""
+    return kv_budget_samples(metrics_when(server.url, lambda body: ready(kv_budget_samples(body)), awaited))
 
 
 @pytest.fixture(scope="module")
@@ -246,7 +247,7 @@ def _load_while_scraping(served: Served, stats_dir: Path) -> Loaded:
     """256 concurrent completions with /metrics scraped every 0.2 s; then
     the figures once the engine's idle sample after the load is published."""
     server = served.server
-    plan = _wait_for(server, lambda s: any(n == "kv_budget:plan_info" for n, _, _ in s))
+    plan = _wait_for(server, lambda s: any(n == "kv_budget:plan_info" for n, _, _ in s), "the plan")
     before = _engine_status(served)["completed"]
     scrapes: list[list] = []
     done = threading.Event()
@@ -267,7 +268,7 @@ def _load_while_scraping(served: Served, stats_dir: Path) -> Loaded:
     # publishes that within a second or two.
     after = _wait_for(server, lambda s: any(
         n == "kv_budget:live_completed_requests" and v == _engine_status(served)["completed"] >= before + 256
-        for n, _, v in s))
+        for n, _, v in s), "the completed count in the engine's status file")
     return Loaded(load, plan, scrapes, after, {**_engine_status(served), "before": before},
                   read_peak_stats(stats_dir))
 
@@ -449,13 +450,14 @@ def test_two_api_servers_both_learn_the_cap_and_publish_the_plan(two_api_servers
     for _ in range(4):
         status, body = _generate(server, CAP + 1)
         assert status == 400 and f"max_num_seqs ({CAP})" in json.dumps(body)
-    samples = _wait_for(server, lambda s: len(_kv_budget_writers(two_api_servers.prometheus_dir)) == 2)
+    _wait_for(server, lambda s: len(_kv_budget_writers(two_api_servers.prometheus_dir)) == 2,
+              "both API servers' kv_budget: series")
     assert len(_kv_budget_writers(two_api_servers.prometheus_dir)) == 2
     for _ in range(4):
         _assert_plan_on_metrics(scrape(server), two_api_servers.report, server.model)
     load = send_completions(server.url, server.model, requests=64, max_tokens=4)
     assert load.failed == 0, load.errors
     samples = _wait_for(server, lambda s: any(
-        n == "kv_budget:live_completed_requests" and v >= 64 for n, _, v in s))
+        n == "kv_budget:live_completed_requests" and v >= 64 for n, _, v in s), "64 completed requests")
     assert one(samples, "kv_budget:live_completed_requests") >= 64
     assert one(samples, "kv_budget:live_max_num_seqs") == CAP
