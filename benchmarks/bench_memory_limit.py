@@ -30,7 +30,11 @@ completions:
    a run and then failed one are printed. With ``--operator-confirm N``
    the operator's figure is loaded N more times after the bisection, and
    how many of those stock survived is printed: how safe the answer by
-   hand is.
+   hand is. Where one of those loads fails, the careful operator steps
+   down to the next figure below that survived the bisection and loads it
+   N times, until one survives all N: the confirmed figure, the one an
+   operator who saw the kill would deploy. kv-budget is printed against
+   both figures.
 
 It prints, per configuration, the limit, each run's peak usage, OOM kills
 and requests completed, where the memory went (each process's growth
@@ -47,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import dataclass, field
 import shutil
 import sys
 from pathlib import Path
@@ -104,7 +109,7 @@ def run_config(work: Path, positions: int, room: int, requests: int, bisect_step
                small_margin: str | None, serves: int, operator_repeats: int, operator_confirm: int = 0) -> dict:
     """One configuration: stock, kv-budget (default settings, ``serves``
     times on one cost record, then an operator's small margin), then the
-    operator's bisection, then ``operator_confirm`` more loads of its figure."""
+    operator's figures (:func:`operator_figures`)."""
     name = f"p{positions}-r{room}"
     checkpoint = write_demo_checkpoint(work / name / "checkpoint", {"positions": positions})
     per_seq = talker_bytes_per_row({**DEFAULT_TALKER, "positions": positions})
@@ -140,63 +145,113 @@ def run_config(work: Path, positions: int, room: int, requests: int, bisect_step
         print(_line(f"kv-budget, {small_margin}", small), flush=True)
         result["cap_small_margin"] = {"margin": small_margin, **small}
     first, last = caps[0], caps[-1]
-    if survived(off, requests):  # stock survived the load at its max_num_seqs: that is the operator's figure
-        good, bad, probes, flaky = off["server_max_num_seqs"], None, [], []
-    else:  # from kv-budget's startup cap (where its first serve survived) up to the 256 stock failed at
-        start = (first.get("max_num_seqs") or 0) if survived(first, requests) else 0
-        good, bad, probes, flaky = bisect_operator(checkpoint, work / name, limit, room, requests, start,
-                                                   bisect_steps, operator_repeats)
-    confirm = []
-    for repeat in range(1, operator_confirm + 1):
-        if not good:
-            break
-        again = run_under_limit("off", checkpoint, work / name / f"operator-{good}-again-{repeat}", requests, limit,
-                                room, max_num_seqs=good)
-        print(_line(f"operator, {good} again ({repeat})", again), flush=True)
-        confirm.append(again)
-    if confirm:
-        result.update(operator_again=confirm,
-                      operator_again_survived=sum(survived(run, requests) for run in confirm))
+    # From kv-budget's startup cap (where its first serve survived) up to the 256 stock failed at.
+    start = (first.get("max_num_seqs") or 0) if survived(first, requests) else 0
+    result.update(operator_figures(checkpoint, work / name, limit, room, requests, off, start, bisect_steps,
+                                   operator_repeats, operator_confirm))
+    good = result["operator_max_num_seqs"]
     served = all(survived(cap, requests) for cap in caps)
-    result.update(operator_probes=probes, operator_max_num_seqs=good, operator_first_failing=bad,
-                  operator_repeats=operator_repeats, operator_survived_then_failed=flaky,
-                  kv_budget_first_max_num_seqs=kv_budget_figure(first) if survived(first, requests) else 0,
+    result.update(kv_budget_first_max_num_seqs=kv_budget_figure(first) if survived(first, requests) else 0,
                   kv_budget_max_num_seqs=kv_budget_figure(last) if survived(last, requests) else 0,
                   kv_budget_served=served,
                   kv_budget_oom_kills=sum(cap.get("oom_kills") or 0 for cap in caps))
-    if good:
-        result["kv_budget_first_of_operator"] = round((result["kv_budget_first_max_num_seqs"] or 0) / good, 3)
-        result["kv_budget_of_operator"] = round((result["kv_budget_max_num_seqs"] or 0) / good, 3)
+    for figure, suffix in ((good, "operator"), (result.get("operator_confirmed_max_num_seqs"), "confirmed")):
+        if figure:
+            result[f"kv_budget_first_of_{suffix}"] = round((result["kv_budget_first_max_num_seqs"] or 0) / figure, 3)
+            result[f"kv_budget_of_{suffix}"] = round((result["kv_budget_max_num_seqs"] or 0) / figure, 3)
     return result
 
 
+def operator_figures(checkpoint: Path, work: Path, limit: int, room: int, requests: int, off: dict, start: int,
+                     steps: int, repeats: int, confirm: int) -> dict:
+    """The operator's figures: where stock at 256 (``off``) survived, 256;
+    else bisected up from ``start``; then, with ``confirm`` loads, the
+    figure that survived them all (:func:`confirm_operator`)."""
+    if survived(off, requests):
+        bisection = Bisection(good=off["server_max_num_seqs"], bad=None)
+    else:
+        bisection = bisect_operator(checkpoint, work, limit, room, requests, start, steps, repeats)
+    good = bisection.good
+    figures = {"operator_probes": bisection.probes, "operator_max_num_seqs": good,
+               "operator_first_failing": bisection.bad, "operator_repeats": repeats,
+               "operator_survived_then_failed": list(bisection.flaky)}
+    if confirm and good:
+        confirmed, again = confirm_operator(checkpoint, work, limit, room, requests,
+                                            [good, *bisection.survivors_below(good)], confirm)
+        figures["operator_survived_then_failed"] += sorted(
+            {run["operator_figure"] for run in again if not survived(run, requests)}, reverse=True)
+        figures.update(operator_again=again, operator_confirmed_max_num_seqs=confirmed,
+                       operator_again_survived=sum(survived(run, requests) for run in again
+                                                   if run["operator_figure"] == good))
+    return figures
+
+
+@dataclass
+class Bisection:
+    """The operator's bisection: the largest figure that survived every load
+    of it, the smallest that failed one (None where nothing failed)."""
+
+    good: int
+    bad: int | None
+    probes: list[dict] = field(default_factory=list)
+    survivors: list[int] = field(default_factory=list)
+    """Each figure that survived all its loads, in the order tried."""
+    flaky: list[int] = field(default_factory=list)
+    """The figures that survived a load and then failed one."""
+
+    def survivors_below(self, figure: int) -> list[int]:
+        """The figures under ``figure`` that survived, largest first: where a
+        careful operator steps down to."""
+        return sorted((n for n in set(self.survivors) if n < figure), reverse=True)
+
+
 def bisect_operator(checkpoint: Path, work: Path, limit: int, room: int, requests: int, good: int, steps: int,
-                    repeats: int) -> tuple[int, int, list[dict], list[int]]:
+                    repeats: int) -> Bisection:
     """A careful operator's figure by hand: bisect ``max_num_seqs`` between
     ``good`` (survived, or 0) and ``requests`` (failed), each trial loaded
-    up to ``repeats`` times and kept only if it survived every load.
-    Returns (largest survived, smallest failed, every probe, the trials that
-    survived a load before one failed)."""
-    bad = requests
-    probes, flaky = [], []
+    up to ``repeats`` times and kept only if it survived every load."""
+    bisection = Bisection(good=good, bad=requests)
     for _ in range(steps):
-        if bad - good <= 1:
+        if bisection.bad - bisection.good <= 1:
             break
-        trial = (good + bad) // 2
+        trial = (bisection.good + bisection.bad) // 2
         for repeat in range(1, repeats + 1):
             probe = run_under_limit("off", checkpoint, work / f"operator-{trial}-{repeat}", requests, limit, room,
                                     max_num_seqs=trial)
             print(_line(f"operator, {trial} ({repeat})", probe), flush=True)
-            probes.append(probe)
+            bisection.probes.append(probe)
             if not survived(probe, requests):
                 break
         if survived(probe, requests):
-            good = trial
+            bisection.good = trial
+            bisection.survivors.append(trial)
         else:
-            bad = trial
+            bisection.bad = trial
             if repeat > 1:  # it survived before: a single run would have taken it
-                flaky.append(trial)
-    return good, bad, probes, flaky
+                bisection.flaky.append(trial)
+    return bisection
+
+
+def confirm_operator(checkpoint: Path, work: Path, limit: int, room: int, requests: int, figures: list[int],
+                     loads: int) -> tuple[int | None, list[dict]]:
+    """Load each of ``figures`` (largest first) ``loads`` more times, every
+    load run so the count says how often stock survives it, and stop at the
+    first figure that survived them all: what an operator who saw a kill
+    deploys. Returns that figure (None where none did) and every load, each
+    with the figure it loaded (``operator_figure``)."""
+    again: list[dict] = []
+    for figure in figures:
+        runs = []
+        for repeat in range(1, loads + 1):
+            run = {"operator_figure": figure, **run_under_limit(
+                "off", checkpoint, work / f"operator-{figure}-again-{repeat}", requests, limit, room,
+                max_num_seqs=figure)}
+            print(_line(f"operator, {figure} again ({repeat})", run), flush=True)
+            runs.append(run)
+        again += runs
+        if all(survived(run, requests) for run in runs):
+            return figure, again
+    return None, again
 
 
 def _flaky(config: dict) -> str:
@@ -205,9 +260,23 @@ def _flaky(config: dict) -> str:
 
 
 def _again(config: dict) -> str:
+    """The loads after the bisection, per figure, and the figure they confirmed."""
     runs = config.get("operator_again")
-    return (f"; {config['operator_max_num_seqs']} loaded {len(runs)} more times: survived "
-            f"{config['operator_again_survived']}" if runs else "")
+    if not runs:
+        return ""
+    loads = []
+    for figure in dict.fromkeys(run["operator_figure"] for run in runs):
+        of_figure = [run for run in runs if run["operator_figure"] == figure]
+        kept = sum(survived(run, run["requests"]) for run in of_figure)
+        loads.append(f"{figure} loaded {len(of_figure)} more times: survived {kept}")
+    return f"; {'; '.join(loads)}; confirmed {config['operator_confirmed_max_num_seqs']}"
+
+
+def _of_confirmed(config: dict) -> str:
+    if not config.get("operator_confirmed_max_num_seqs"):
+        return ""
+    return (f"; against the confirmed {config['operator_confirmed_max_num_seqs']}: "
+            f"{config['kv_budget_first_of_confirmed']}, {config['kv_budget_of_confirmed']}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -251,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{config['operator_max_num_seqs']} (first failing {config['operator_first_failing']}"
                   f"{_flaky(config)}{_again(config)}): "
                   f"{config.get('kv_budget_first_of_operator', 'n/a')}, "
-                  f"{config.get('kv_budget_of_operator', 'n/a')}", flush=True)
+                  f"{config.get('kv_budget_of_operator', 'n/a')}{_of_confirmed(config)}", flush=True)
     write_results(args.results, document)
     return 0
 
