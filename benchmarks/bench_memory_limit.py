@@ -51,9 +51,9 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass, field
 import shutil
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from machine import loadavg, write_results
