@@ -22,6 +22,7 @@ from kv_budget.settings import Policy
 from kv_budget.watch.live import (
     BEYOND_RECORD_FACTOR,
     BURST_SPREAD,
+    RECORD_SWING_FACTOR,
     DEAD_AFTER_COMPLETED,
     DeviceFree,
     LiveMeasurement,
@@ -624,14 +625,15 @@ def _record(most_held: int, cost: int) -> CostRecord:
 
 
 def test_an_earlier_serve_of_this_engine_sets_the_first_bursts_cost():
-    """The first burst is admitted at the cost an earlier serve measured
-    (an average at the most it held), each sequence past those at twice it
-    (a serve's growth rose faster than its sequences) or the guess where
-    that is less, keeping the live margin free (here more than a quarter
-    of the burst's growth); where the room holds fewer than were measured,
-    those given up are charged their declared bytes only; a record of
-    fewer sequences than the guess admits is never taken above the
-    guess."""
+    """The first burst is admitted at what an earlier serve measured (an
+    average at the most it held), the part beyond the declared bytes
+    charged twice (what the engine adds beyond them swings from serve to
+    serve), each sequence past those at twice that or the guess where that
+    is less, keeping the live margin free (here more than a quarter of the
+    burst's growth), and only where that admits more than the guess; where
+    the room holds fewer than were held, those given up are charged their
+    declared bytes only; a record that measured more than the guess with as
+    many held as the guess admits is taken as measured, and admits fewer."""
     stage = Stage(RequestTalker())
     free, live_margin = 300 * 1024**2, 64 * 1024**2
     plan = default_margin_plan(stage, free)
@@ -639,30 +641,56 @@ def test_an_earlier_serve_of_this_engine_sets_the_first_bursts_cost():
     room = free - live_margin
     assert first_admission(plan, 256).limit == room // guess == 62
     assert int(free / (1 + BURST_SPREAD)) > room  # a quarter of what fits is less than the live margin
-    measured = 2 * 1024**2
-    past = min(BEYOND_RECORD_FACTOR * measured, guess)
-    assert past == guess  # twice the record is more than the guess: the guess
+    measured = 1024**2
+    charged = ROW_BYTES + RECORD_SWING_FACTOR * (measured - ROW_BYTES)
+    past = min(BEYOND_RECORD_FACTOR * charged, guess)
+    assert charged < guess == past  # twice the charge is more than the guess: the guess
     first = first_admission(plan, 256, _record(100, measured))
-    assert first.limit == 100 + (room - 100 * measured) // past == 109
-    assert first.cost_by_rank == {0: -(-(100 * measured + 9 * past) // 109)}
-    assert (f"at {measured:,} B per sequence [measured by an earlier serve of this engine with 100 held], in "
-            f"{room:,} B [the live margin or 25% of the burst's growth kept free, whichever is more: min({room:,} B, "
-            f"({room:,} B + {live_margin:,} B) / 1.25)] for 100, and {past:,} B for each past them: "
-            f"100 + floor(({room:,} B - {100 * measured:,} B) / {past:,} B) = 109") in first.how
-    cheaper = first_admission(plan, 256, _record(100, measured // 2))
-    assert cheaper.limit == 100 + (room - 100 * measured // 2) // measured == 168  # twice 1 MiB, under the guess
-    assert LiveMonitor(plan, remembered=_record(80, measured)).limit == 80 + (room - 80 * measured) // past == 100
-    short = first_admission(plan, 256, _record(200, measured))
-    deficit = 200 * measured - room
+    assert first.limit == 100 + (room - 100 * charged) // past == 109
+    assert first.cost_by_rank == {0: -(-(100 * charged + 9 * past) // 109)}
+    assert (f"at {charged:,} B per sequence [{ROW_BYTES:,} B declared + 2 x what {measured:,} B measured by an "
+            f"earlier serve of this engine with 100 held is beyond it], in {room:,} B [the live margin or 25% of the "
+            f"burst's growth kept free, whichever is more: min({room:,} B, ({room:,} B + {live_margin:,} B) / 1.25)] "
+            f"for 100, and {past:,} B for each past them: 100 + floor(({room:,} B - {100 * charged:,} B) / "
+            f"{past:,} B) = 109") in first.how
+    assert LiveMonitor(plan, remembered=_record(80, measured)).limit == 80 + (room - 80 * charged) // past == 100
+    dear = first_admission(plan, 256, _record(100, 2 * measured))  # charged twice, 4 MiB is more than the guess
+    assert dear.limit == 62 and dear.cost_by_rank == {0: guess}  # 0 fit at the charge: never fewer than the guess
+    assert "the guess: 62 fit at it, 0 at " in dear.how
+    over = 5 * 1024**2  # more than the guess, measured with more held than the guess admits
+    short = first_admission(plan, 256, _record(200, over))
+    deficit = 200 * over - room
     assert short.limit == max(200 - -(-deficit // ROW_BYTES), 1) == 1  # a 5,120 B sequence frees little
+    assert (f"{over:,} B per sequence [measured by an earlier serve of this engine with 200 held, the guess "
+            f"{guess:,} B is less]") in short.how
     assert f"so 200 - ceil({deficit:,} B short / {ROW_BYTES:,} B declared" in short.how
     light = first_admission(plan, 256, _record(10, 8 * 1024**2))  # ten held, the fixed growth over few
     assert light.limit == 62 and light.cost_by_rank == {0: guess}  # the guess
-    assert "the guess: 8,388,608 B measured with 10 held, fewer than the guess admits, is more" in light.how
-    assert first_admission(plan, 256, _record(10, measured)).limit == 10 + (room - 10 * measured) // guess == 67
+    assert "the guess: 62 fit at it, 14 at " in light.how
+    assert first_admission(plan, 256, _record(10, measured)).limit == 10 + (room - 10 * charged) // guess == 67
     below = remembered_burst(room, guess, ROW_BYTES, HeldCost(most_held=100, cost_per_seq_bytes=1), live_margin)
-    assert below[2].startswith(f"{ROW_BYTES:,} B per sequence [measured")  # a record under the declared bytes
-    assert below[0] == 100 + (room - 100 * ROW_BYTES) // (2 * ROW_BYTES)  # is raised to them
+    assert below[2].startswith(f"{ROW_BYTES:,} B per sequence [{ROW_BYTES:,} B declared + 2 x what {ROW_BYTES:,} B")
+    assert below[0] == 100 + (room - 100 * ROW_BYTES) // (2 * ROW_BYTES)  # a record under the declared bytes is raised
+
+
+@pytest.mark.parametrize("most_held", [20, 65, 85, 101, 125, 160])
+@pytest.mark.parametrize("beyond", [0, 300_000, 1_320_000, 2_800_000])
+def test_a_burst_priced_by_a_record_leaves_room_for_twice_what_that_serve_added_beyond_the_declared(most_held, beyond):
+    """A burst a record admits above the guess fits the room kept free of
+    the live margin and the spread with its sequences' declared bytes and
+    twice what the recorded serve added beyond them, whether that growth
+    stays fixed (fewer admitted than were held) or grows with the sequences
+    (more): the next serve may add twice as much (the 1 MiB demo under a
+    0.4 GB room: 1.3 to 3.1 MB per held sequence beyond its 1.1 MB)."""
+    declared, live_margin, room = 1_114_112, 64 * 1024**2, 330_000_000
+    guess = declared + (1024**3 - live_margin) // 256
+    record = HeldCost(most_held=most_held, cost_per_seq_bytes=declared + beyond)
+    fits, cost, how = remembered_burst(room, guess, declared, record, live_margin)
+    kept = min(room, int((room + live_margin) / (1 + BURST_SPREAD)))
+    if fits > kept // guess:  # the record priced it
+        assert fits * declared + RECORD_SWING_FACTOR * beyond * max(most_held, fits) <= kept, how
+    else:
+        assert (fits, cost) == (kept // guess, guess), how
 
 
 def test_a_large_burst_keeps_a_quarter_of_its_growth_free():
@@ -671,24 +699,25 @@ def test_a_large_burst_keeps_a_quarter_of_its_growth_free():
     the burst: the growth is at most what is free / 1.25 (8 MiB sequences
     under 2 GiB, as the demo's)."""
     free, live_margin = 2 * 1024**3, 128 * 1024**2
-    declared, guess, measured = 8 * 1024**2, 12 * 1024**2, 10 * 1024**2
+    declared, guess, measured = 8 * 1024**2, 12 * 1024**2, 9 * 1024**2
+    charged = declared + RECORD_SWING_FACTOR * (measured - declared)  # 10 MiB
     room = free - live_margin
     spread = int(free / (1 + BURST_SPREAD))
     assert spread < room
     fits, cost, how = remembered_burst(room, guess, declared, HeldCost(most_held=150, cost_per_seq_bytes=measured),
                                        live_margin)
-    assert fits == 150 + (spread - 150 * measured) // guess == 161  # twice 10 MiB is more than the guess
-    growth = 150 * measured + 11 * guess
+    assert fits == 150 + (spread - 150 * charged) // guess == 161  # twice 10 MiB is more than the guess
+    growth = 150 * charged + 11 * guess
     assert cost == -(-growth // 161)
     assert free - growth >= growth * BURST_SPREAD > live_margin  # a quarter of the growth stays free
-    assert fits < 150 + (room - 150 * measured) // guess  # where the live margin alone would admit more
+    assert fits < 150 + (room - 150 * charged) // guess  # where the live margin alone would admit more
     assert f"in {spread:,} B [the live margin or 25% of the burst's growth kept free" in how
     fewer, _, how = remembered_burst(room, guess, declared, HeldCost(most_held=190, cost_per_seq_bytes=measured),
                                      live_margin)  # the record held more than fits with a quarter free
-    assert fewer == 190 - -(-(190 * measured - spread) // declared) == 157
+    assert fewer == 190 - -(-(190 * charged - spread) // declared) == 157
     assert f"fewer than 190 fit in {spread:,} B" in how
-    unrecorded, charged, how = remembered_burst(room, guess, declared, None, live_margin)
-    assert (unrecorded, charged) == (spread // guess, guess) and unrecorded == 136  # the guess keeps it too
+    unrecorded, priced, how = remembered_burst(room, guess, declared, None, live_margin)
+    assert (unrecorded, priced) == (spread // guess, guess) and unrecorded == 136  # the guess keeps it too
     assert free - unrecorded * guess >= unrecorded * guess * BURST_SPREAD
     assert how == (f"in {spread:,} B [the live margin or 25% of the burst's growth kept free, whichever is more: "
                    f"min({room:,} B, ({room:,} B + {live_margin:,} B) / 1.25)]")

@@ -105,7 +105,8 @@ def run_under_limit(policy: str, checkpoint: Path, run_dir: Path, requests: int,
     limits = [int(n) for n in re.findall(r"kv-budget: live: Scheduler\.\w+ (\d+) \(live limit", log)]
     first = re.search(r"kv-budget: live: admission starts at (\d+) .*", log)
     if first is not None:  # where the limit started, and whether an earlier serve's measured cost set it
-        result.update(first_admission=int(first.group(1)), first_from_record="(cost record " in first.group(0))
+        result.update(first_admission=int(first.group(1)), first_from_record="(cost record " in first.group(0),
+                      first_admission_line=first.group(0))
     result.update(live_limit_max=max([*limits, *([int(first.group(1))] if first else [])], default=None),
                   live_limit_changes=len(limits), peak_sequences=run.peak()[1])
     report = run.report()
@@ -121,7 +122,7 @@ def _line(result: dict) -> str:
                 f"OOM kills {result['oom_kills']}")
     capped = f", max_num_seqs {result['max_num_seqs']}" if "max_num_seqs" in result else ", max_num_seqs 256"
     if result.get("first_admission"):
-        record = " at the cost its last serve measured" if result.get("first_from_record") else ""
+        record = " priced on its last serve's cost record" if result.get("first_from_record") else ""
         capped += f", first burst {result['first_admission']}{record}"
     if result.get("live_limit_max"):
         capped += f", live limit up to {result['live_limit_max']}"

@@ -74,6 +74,7 @@ __all__ = [
     "MAX_SAMPLING_FRACTION",
     "BEYOND_RECORD_FACTOR",
     "BURST_SPREAD",
+    "RECORD_SWING_FACTOR",
     "first_admission",
     "FirstAdmission",
     "remembered_burst",
@@ -104,7 +105,8 @@ interval still decides when sampling is cheap."""
 
 BEYOND_RECORD_FACTOR = 2
 """What a first burst charges each sequence beyond the most an earlier serve
-held, as a multiple of the average cost that serve measured. Why more than
+held, as a multiple of what the record charges each of those it held
+(:func:`remembered_burst`). Why more than
 the average: on vLLM's CPU build a serve's growth rose faster than its
 sequences (the 1 MiB demo's worker: 144 MB at 98 held, 374 MB at 164, so
 3.5 MB for each sequence past 98 against an average of 1.5 MB), and a
@@ -113,6 +115,20 @@ where the cost grows with the square of the sequences, the next one costs
 twice the average; the live margin covers what a wider step adds. Never
 more than the guess a start without a record charges each
 (:func:`burst_cost_bytes`)."""
+
+RECORD_SWING_FACTOR = 2
+"""What a first burst priced by a record charges each sequence beyond its
+declared bytes, as a multiple of what the record measured beyond them.
+Why: the declared bytes are exact; what the engine adds beyond them (its
+allocator's slack, the requests in flight) is what swings from serve to
+serve of the same engine. On vLLM's CPU build it came to 1.3-3.1 MB per
+held sequence beside the 1 MiB demo's 1.1 MB and 2.2-5.7 MB beside the
+8 MiB demo's 8.5 MB (``benchmarks/bench_memory_limit.py``, every serve
+kv-budget held to the end), about twice from the least to the most; the
+next start of an engine that charged only the record's own figure was
+OOM-killed under a 0.4 GB room. So a record from a cheap serve prices the
+next one as a dear serve would; where the engine adds little beyond its
+declarations, twice little is still little."""
 
 BURST_SPREAD = 0.25
 """What a first burst keeps free beyond the growth it is priced at, as a
@@ -222,41 +238,60 @@ def remembered_burst(
     :data:`BURST_SPREAD` of the burst's growth, whichever is more: the
     growth is at most (room + live margin) / (1 + BURST_SPREAD). Each
     sequence is charged ``guess`` (:func:`burst_cost_bytes`) where this
-    engine has no record, else the cost an earlier serve measured with
-    ``held.most_held`` sequences held, each sequence past those charged
-    :data:`BEYOND_RECORD_FACTOR` times it (a serve's growth rose faster
-    than its sequences) or the guess where that is less (a record never
-    charges one more than a start without it). A record measured at fewer
-    sequences than the guess admits is taken at the guess where that is
-    less: a light load's average carries the fixed growth over few
-    sequences. Where the room holds fewer than were measured, the
-    sequences given up are charged only their ``declared`` bytes (what one
-    sequence frees at least). A recorded cost is never taken below
-    ``declared``."""
+    engine has no record. A record of an earlier serve, which measured
+    ``held.most_held`` sequences held at some cost each:
+
+    * more than the guess, with at least as many held as the guess admits:
+      each is charged that cost, and fewer than the guess fit;
+    * else each is charged its ``declared`` bytes and
+      :data:`RECORD_SWING_FACTOR` times what was measured beyond them, and
+      the burst is what that admits where it is more than the guess admits
+      (the swing is room kept for admitting more, not a measured cost; a
+      light load's average carries the engine's fixed growth over few).
+
+    Each sequence past those the record held is charged
+    :data:`BEYOND_RECORD_FACTOR` times the charge (a serve's growth rose
+    faster than its sequences) or the guess where that is less. Where the
+    room holds fewer than were held, those given up are charged only their
+    declared bytes: what one frees at least, for the engine's own growth
+    need not shrink with them."""
     spread = int((room + live_margin) / (1 + BURST_SPREAD))
     kept = (f"in {min(room, spread):,} B [the live margin or {BURST_SPREAD:.0%} of the burst's growth kept free, "
             f"whichever is more: min({room:,} B, ({room:,} B + {live_margin:,} B) / {1 + BURST_SPREAD:g})]")
     room = min(room, spread)
+    by_guess = room // guess
     if held is None:
-        return room // guess, guess, kept
-    recorded = max(held.cost_per_seq_bytes, declared)  # no sequence costs less than its declared bytes
-    if held.most_held < room // guess and guess <= recorded:
-        return room // guess, guess, (f"{guess:,} B per sequence [the guess: {recorded:,} B measured with "
-                                      f"{held.most_held} held, fewer than the guess admits, is more], {kept}")
-    basis = (f"{recorded:,} B per sequence [measured by an earlier serve of this engine with {held.most_held} held]"
-             f", {kept}")
-    measured = held.most_held * recorded
+        return by_guess, guess, kept
+    measured = max(held.cost_per_seq_bytes, declared)  # no sequence costs less than its declared bytes
+    source = f"measured by an earlier serve of this engine with {held.most_held} held"
+    if measured >= guess and held.most_held >= by_guess:
+        fits, cost, how = _record_fits(room, guess, declared, measured, held.most_held)
+        return fits, cost, f"{measured:,} B per sequence [{source}, the guess {guess:,} B is less], {kept}{how}"
+    charged = declared + RECORD_SWING_FACTOR * (measured - declared)
+    fits, cost, how = _record_fits(room, guess, declared, charged, held.most_held)
+    if fits <= by_guess:
+        return by_guess, guess, (f"{guess:,} B per sequence [the guess: {by_guess} fit at it, {fits} at {charged:,} B, "
+                                 f"{declared:,} B declared + {RECORD_SWING_FACTOR} x what {measured:,} B {source} "
+                                 f"is beyond it], {kept}")
+    return fits, cost, (f"{charged:,} B per sequence [{declared:,} B declared + {RECORD_SWING_FACTOR} x what "
+                        f"{measured:,} B {source} is beyond it], {kept}{how}")
+
+
+def _record_fits(room: int, guess: int, declared: int, charged: int, most_held: int) -> tuple[int, int, str]:
+    """How many sequences a record's ``charged`` cost per sequence admits
+    in ``room`` bytes (:func:`remembered_burst`), their average cost, and
+    the arithmetic."""
+    measured = most_held * charged
     if measured > room:
         short = measured - room
-        fits = max(held.most_held - per_each(short, max(declared, 1)), 0)
-        basis += (f": fewer than {held.most_held} fit in {room:,} B, so {held.most_held} - ceil({short:,} B "
-                  f"short / {declared:,} B declared per sequence)")
-        return fits, recorded, basis
-    past = max(min(BEYOND_RECORD_FACTOR * recorded, guess), recorded)
-    fits = held.most_held + (room - measured) // past
-    basis += (f" for {held.most_held}, and {past:,} B for each past them: "
-              f"{held.most_held} + floor(({room:,} B - {measured:,} B) / {past:,} B)")
-    return fits, per_each(measured + (fits - held.most_held) * past, max(fits, 1)), basis
+        return max(most_held - per_each(short, max(declared, 1)), 0), charged, (
+            f": fewer than {most_held} fit in {room:,} B, so {most_held} - ceil({short:,} B short / {declared:,} B "
+            f"declared per sequence)")
+    past = max(min(BEYOND_RECORD_FACTOR * charged, guess), charged)
+    fits = most_held + (room - measured) // past
+    return fits, per_each(measured + (fits - most_held) * past, max(fits, 1)), (
+        f" for {most_held}, and {past:,} B for each past them: {most_held} + floor(({room:,} B - {measured:,} B) "
+        f"/ {past:,} B)")
 
 
 def burst_cost_bytes(headroom: Headroom, per_seq_bytes: int, configured_max_num_seqs: int) -> int:
