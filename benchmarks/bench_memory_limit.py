@@ -195,14 +195,14 @@ class Bisection:
     bad: int | None
     probes: list[dict] = field(default_factory=list)
     survivors: list[int] = field(default_factory=list)
-    """Each figure that survived all its loads, in the order tried."""
+    """Each figure that survived all its loads, in the order tried (each once: a bisection tries a figure once)."""
     flaky: list[int] = field(default_factory=list)
     """The figures that survived a load and then failed one."""
 
     def survivors_below(self, figure: int) -> list[int]:
         """The figures under ``figure`` that survived, largest first: where a
         careful operator steps down to."""
-        return sorted((n for n in set(self.survivors) if n < figure), reverse=True)
+        return sorted((n for n in self.survivors if n < figure), reverse=True)
 
 
 def bisect_operator(checkpoint: Path, work: Path, limit: int, room: int, requests: int, good: int, steps: int,

@@ -268,29 +268,28 @@ def remembered_burst(
         fits, cost, how = _record_fits(room, guess, declared, measured, held.most_held)
         return fits, cost, f"{measured:,} B per sequence [{source}, the guess {guess:,} B is less], {kept}{how}"
     charged = declared + RECORD_SWING_FACTOR * (measured - declared)
+    swing = f"{declared:,} B declared + {RECORD_SWING_FACTOR} x what {measured:,} B {source} is beyond it"
     fits, cost, how = _record_fits(room, guess, declared, charged, held.most_held)
     if fits <= by_guess:
         return by_guess, guess, (f"{guess:,} B per sequence [the guess: {by_guess} fit at it, {fits} at {charged:,} B, "
-                                 f"{declared:,} B declared + {RECORD_SWING_FACTOR} x what {measured:,} B {source} "
-                                 f"is beyond it], {kept}")
-    return fits, cost, (f"{charged:,} B per sequence [{declared:,} B declared + {RECORD_SWING_FACTOR} x what "
-                        f"{measured:,} B {source} is beyond it], {kept}{how}")
+                                 f"{swing}], {kept}")
+    return fits, cost, f"{charged:,} B per sequence [{swing}], {kept}{how}"
 
 
 def _record_fits(room: int, guess: int, declared: int, charged: int, most_held: int) -> tuple[int, int, str]:
     """How many sequences a record's ``charged`` cost per sequence admits
     in ``room`` bytes (:func:`remembered_burst`), their average cost, and
     the arithmetic."""
-    measured = most_held * charged
-    if measured > room:
-        short = measured - room
+    held_bytes = most_held * charged
+    if held_bytes > room:
+        short = held_bytes - room
         return max(most_held - per_each(short, max(declared, 1)), 0), charged, (
             f": fewer than {most_held} fit in {room:,} B, so {most_held} - ceil({short:,} B short / {declared:,} B "
             f"declared per sequence)")
     past = max(min(BEYOND_RECORD_FACTOR * charged, guess), charged)
-    fits = most_held + (room - measured) // past
-    return fits, per_each(measured + (fits - most_held) * past, max(fits, 1)), (
-        f" for {most_held}, and {past:,} B for each past them: {most_held} + floor(({room:,} B - {measured:,} B) "
+    fits = most_held + (room - held_bytes) // past
+    return fits, per_each(held_bytes + (fits - most_held) * past, max(fits, 1)), (
+        f" for {most_held}, and {past:,} B for each past them: {most_held} + floor(({room:,} B - {held_bytes:,} B) "
         f"/ {past:,} B)")
 
 
