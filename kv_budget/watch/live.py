@@ -124,7 +124,10 @@ allocator's slack, the requests in flight) is what swings from serve to
 serve of the same engine. On vLLM's CPU build it came to 1.3-3.1 MB per
 held sequence beside the 1 MiB demo's 1.1 MB and 2.2-5.7 MB beside the
 8 MiB demo's 8.5 MB (``benchmarks/bench_memory_limit.py``, every serve
-kv-budget held to the end), about twice from the least to the most; the
+kv-budget held to the end since the heap is handed back at each sample:
+runs 10-16 and six serves at 1 MiB), 2.3 and 2.6 times from the least to
+the most, which twice the least covers with the quarter of its growth a
+burst keeps free (:data:`BURST_SPREAD`); the
 next start of an engine that charged only the record's own figure was
 OOM-killed under a 0.4 GB room. So a record from a cheap serve prices the
 next one as a dear serve would; where the engine adds little beyond its
